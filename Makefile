@@ -1,0 +1,38 @@
+# lakestream: `make demo` runs the main job, `make test` runs the suite. Each sets itself up.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+export LAKESTREAM_HOME ?= $(CURDIR)/.lake
+export DAGSTER_HOME    ?= $(LAKESTREAM_HOME)/dagster
+
+.PHONY: install demo test test-fast ui bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] in ((3,11),(3,12)) else "lakestream needs Python 3.11 (or 3.12): set PYTHON=/path/to/python3.11")'
+	@command -v java >/dev/null || [ -n "$$JAVA_HOME" ] || { echo "lakestream needs Java 17: apt-get install openjdk-17-jre-headless (or set JAVA_HOME)"; exit 2; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[test]"
+	@touch $@
+
+demo: install
+	$(BIN)/lakestream demo
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+ui: install
+	@mkdir -p "$(DAGSTER_HOME)"
+	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+bench: install
+	$(BIN)/python bench/purchase_metrics_bench.py
+
+clean:
+	rm -rf .lake bench/out .pytest_cache

@@ -1,0 +1,1 @@
+"""Bounded twins: the identical transform over a bounded event-time range."""

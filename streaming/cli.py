@@ -1,0 +1,208 @@
+"""`lakestream`: generate events, run jobs as streams or bounded twins, run the demo.
+
+Every user error is one line on stderr and exit status 2 (set LAKESTREAM_DEBUG=1 for tracebacks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import timedelta
+
+from .durations import parse_duration, parse_instant
+from .errors import LakestreamError, translate_jvm_error
+from .settings import Settings
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not usage + error
+        self.exit(2, f"lakestream: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _settings(args) -> Settings:
+    env = dict(os.environ)
+    if args.home:
+        env["LAKESTREAM_HOME"] = args.home
+    return Settings.load(env, config_file=args.config)
+
+
+def cmd_jobs(args) -> int:
+    from .jobs import registry
+
+    for name, job in registry().items():
+        print(f"{name:24} {job.window.describe():22} keys={','.join(job.keys):12} -> {job.sink.name}")
+    return 0
+
+
+def _generator_config(args):
+    from .generator import GeneratorConfig
+
+    return GeneratorConfig(
+        seed=args.seed,
+        start=parse_instant(args.start, field="--start"),
+        duration=parse_duration(args.duration, field="--duration"),
+        rate=args.rate,
+        users=args.users,
+        skew=args.skew,
+        out_of_orderness=parse_duration(args.out_of_orderness, field="--out-of-orderness"),
+        late_fraction=args.late_fraction,
+        duplicate_fraction=args.duplicate_fraction,
+        malformed_fraction=args.malformed_fraction,
+        file_seconds=args.file_seconds,
+    )
+
+
+def cmd_generate(args) -> int:
+    from .generator import follow, generate
+
+    settings = _settings(args)
+    cfg = _generator_config(args)
+    if args.follow:
+        print(f"generating in real time into {settings.landing} every {cfg.file_seconds}s; Ctrl-C to stop", flush=True)
+        try:
+            follow(cfg, settings.landing)
+        except KeyboardInterrupt:
+            pass
+        return 0
+    started = time.monotonic()
+    for source, report in generate(cfg, settings.landing).items():
+        print(
+            f"{source}: {report.events:,} events ({report.late:,} late, {report.duplicates:,} re-delivered, "
+            f"{report.malformed:,} malformed lines) in {len(report.file_names)} files "
+            f"({report.files_skipped} already present) -> {settings.landing_dir(source)}"
+        )
+    print(f"generated in {time.monotonic() - started:.1f}s")
+    return 0
+
+
+def _job(args, settings):
+    from .jobs import get_job
+
+    overrides = {}
+    if getattr(args, "trigger_interval", None):
+        overrides["trigger_interval"] = parse_duration(args.trigger_interval, field="--trigger-interval")
+    if getattr(args, "max_files_per_trigger", None):
+        overrides["max_files_per_trigger"] = args.max_files_per_trigger
+    if overrides:
+        settings = settings.with_job(args.job, **overrides)
+    return get_job(args.job, settings), settings
+
+
+def cmd_run(args) -> int:
+    from .runner import describe_watermark, run_stream
+    from .session import get_spark
+
+    settings = _settings(args)
+    job, settings = _job(args, settings)
+    spark = get_spark(settings)
+    report = run_stream(spark, settings, job, available_now=args.available_now)
+    s = report.stats
+    print(
+        f"{job.name}: {report.batches} batch(es): {s.lines:,} lines, {s.events:,} events, {s.late:,} late, "
+        f"{s.quarantined:,} quarantined, {s.windows_written:,} windows written; "
+        f"watermark {describe_watermark(report.totals.watermark_out_ms if report.totals else None)}"
+    )
+    return 0
+
+
+def _range(args):
+    from batch.backfill import check_range
+
+    start = parse_instant(args.start, field="--start")
+    end = parse_instant(args.end, field="--end")
+    check_range(start, end)
+    return start, end
+
+
+def cmd_backfill(args) -> int:
+    from batch.backfill import backfill
+    from .session import get_spark
+
+    settings = _settings(args)
+    job, settings = _job(args, settings)
+    start, end = _range(args)
+    report = backfill(get_spark(settings), settings, job, start, end)
+    s = report.stats
+    print(
+        f"{job.name}: backfill done in {report.seconds:.1f}s ({report.events_per_second:,.0f} lines/s): "
+        f"{s.events:,} events, {s.quarantined:,} quarantined, {s.windows_written:,} windows in range"
+    )
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(_settings(args), _generator_config(args))
+
+
+def _add_generator_options(p) -> None:
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--start", default="2026-11-20T00:00:00Z", help="event time of the first event (UTC)")
+    p.add_argument("--duration", default="1h", help="span of event time, e.g. 10m, 1h, 1d")
+    p.add_argument("--rate", type=float, default=100.0, help="payments per second of event time")
+    p.add_argument("--users", type=int, default=500)
+    p.add_argument("--skew", type=float, default=1.1, help="Zipf exponent of user activity")
+    p.add_argument("--out-of-orderness", default="5s")
+    p.add_argument("--late-fraction", type=float, default=0.005)
+    p.add_argument("--duplicate-fraction", type=float, default=0.002)
+    p.add_argument("--malformed-fraction", type=float, default=0.001)
+    p.add_argument("--file-seconds", type=int, default=60, help="arrival time covered by one file")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="lakestream", description=__doc__.splitlines()[0])
+    parser.add_argument("--home", help="lakehouse root (default $LAKESTREAM_HOME or ./.lake)")
+    parser.add_argument("--config", help="YAML settings file (default $LAKESTREAM_CONFIG)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    sub.add_parser("jobs", help="list the declared jobs").set_defaults(fn=cmd_jobs)
+
+    gen = sub.add_parser("generate", help="write synthetic payment and login events to the landing zone")
+    _add_generator_options(gen)
+    gen.add_argument("--follow", action="store_true", help="keep producing in real time")
+    gen.set_defaults(fn=cmd_generate)
+
+    run = sub.add_parser("run", help="run a job as a stream")
+    run.add_argument("job")
+    run.add_argument("--available-now", action="store_true", help="consume what exists, then stop")
+    run.add_argument("--trigger-interval", help="micro-batch interval for continuous runs, e.g. 5s")
+    run.add_argument("--max-files-per-trigger", type=int)
+    run.set_defaults(fn=cmd_run)
+
+    bf = sub.add_parser("backfill", help="run a job's bounded twin over [start, end) and replace that range")
+    bf.add_argument("job")
+    bf.add_argument("--start", required=True, help="inclusive, e.g. 2026-11-20 or 2026-11-20T13:00Z")
+    bf.add_argument("--end", required=True, help="exclusive")
+    bf.set_defaults(fn=cmd_backfill)
+
+    demo = sub.add_parser("demo", help="generate an hour of events, stream it, backfill it, print a summary")
+    _add_generator_options(demo)
+    demo.set_defaults(fn=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except LakestreamError as exc:
+        print(f"lakestream: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("lakestream: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # translate JVM errors at the boundary; keep real bugs visible
+        if os.environ.get("LAKESTREAM_DEBUG"):
+            raise
+        translated = translate_jvm_error(exc)
+        if translated is None:
+            raise
+        print(f"lakestream: error: {translated} (LAKESTREAM_DEBUG=1 shows the trace)", file=sys.stderr)
+        return translated.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Small file operations through Spark's Hadoop FileSystem, so checkpoint-side files work on any
+URI Spark can reach (local disk, HDFS, s3a://, abfss://, gs://)."""
+
+from __future__ import annotations
+
+
+class HadoopFS:
+    def __init__(self, spark):
+        self._spark = spark
+        self._jvm = spark._jvm  # noqa: SLF001 - Py4J gateway is the only way in
+        self._conf = spark._jsc.hadoopConfiguration()  # noqa: SLF001
+
+    def _path(self, path: str):
+        return self._jvm.org.apache.hadoop.fs.Path(path)
+
+    def _fs(self, path: str):
+        return self._path(path).getFileSystem(self._conf)
+
+    def exists(self, path: str) -> bool:
+        return bool(self._fs(path).exists(self._path(path)))
+
+    def read_text(self, path: str) -> str:
+        fs = self._fs(path)
+        stream = fs.open(self._path(path))
+        try:
+            scanner = self._jvm.java.util.Scanner(stream, "UTF-8").useDelimiter("\\A")
+            return scanner.next() if scanner.hasNext() else ""
+        finally:
+            stream.close()
+
+    def write_text(self, path: str, text: str) -> None:
+        """Write atomically: to a hidden temporary file, then rename over the target."""
+        fs = self._fs(path)
+        target = self._path(path)
+        tmp = self._path(f"{target.getParent().toString()}/.{target.getName()}.tmp")
+        out = fs.create(tmp, True)
+        try:
+            out.write(bytearray(text.encode("utf-8")))
+        finally:
+            out.close()
+        if fs.exists(target):
+            fs.delete(target, False)
+        if not fs.rename(tmp, target):
+            raise OSError(f"could not rename {tmp} to {target}")
+
+    def list_names(self, path: str) -> list[str]:
+        fs = self._fs(path)
+        if not fs.exists(self._path(path)):
+            return []
+        return [status.getPath().getName() for status in fs.listStatus(self._path(path))]
+
+    def delete(self, path: str) -> None:
+        fs = self._fs(path)
+        if fs.exists(self._path(path)):
+            fs.delete(self._path(path), True)
+
+    def mkdirs(self, path: str) -> None:
+        self._fs(path).mkdirs(self._path(path))

@@ -1,0 +1,43 @@
+"""The job registry: every module in this package that defines ``JOB`` is a job.
+
+A new job is a new module here; nothing else needs editing (the CLI and Dagster read the registry).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import replace
+from functools import cache
+
+from ..declaration import Watermark, WindowedJob
+from ..errors import UnknownJobError
+from ..settings import Settings
+
+
+@cache
+def registry() -> dict[str, WindowedJob]:
+    jobs: dict[str, WindowedJob] = {}
+    for module in pkgutil.iter_modules(__path__):
+        job = getattr(importlib.import_module(f"{__name__}.{module.name}"), "JOB", None)
+        if job is not None:
+            jobs[job.name] = job
+    return dict(sorted(jobs.items()))
+
+
+def get_job(name: str, settings: Settings | None = None) -> WindowedJob:
+    """The declared job ``name`` with the deployment's overrides from ``settings`` applied."""
+    jobs = registry()
+    if name not in jobs:
+        raise UnknownJobError(f"unknown job {name!r}; known jobs: {', '.join(jobs)} (see `lakestream jobs`)")
+    job = jobs[name]
+    if settings is None:
+        return job
+    overrides = settings.job(name)
+    watermark = Watermark(
+        out_of_orderness=overrides.out_of_orderness or job.watermark.out_of_orderness,
+        allowed_lateness=overrides.allowed_lateness
+        if overrides.allowed_lateness is not None
+        else job.watermark.allowed_lateness,
+    )
+    return replace(job, watermark=watermark, dedup_ttl=overrides.dedup_ttl or job.dedup_ttl)

@@ -1,0 +1,192 @@
+"""Run a job as a stream: Spark's file source + ``foreachBatch`` driving the event-time engine.
+
+Exactly-once: Spark fixes the input files of every planned batch in its offset log and replays an
+unfinished batch after a restart; the engine recomputes the same outputs from the state of the
+previous batch; each table commit carries ``<query id>:<batch id>`` and is skipped if already
+present. The batch is acknowledged to Spark only after every table and the engine state are written.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from . import sinks
+from .durations import format_duration, from_epoch_ms, iso_ms
+from .declaration import WindowedJob
+from .engine import NEG_INF_MS, POS_INF_MS, BatchStats, plan_batch
+from .errors import CheckpointCorruptError, ConfigError
+from .hadoopfs import HadoopFS
+from .settings import Settings
+from .state import EngineState
+from .tables import ensure_job_tables
+
+ProgressFn = Callable[[int, BatchStats], None]
+
+
+def describe_watermark(ms: int | None) -> str:
+    if ms is None or ms <= NEG_INF_MS:
+        return "-inf (no events yet)"
+    if ms >= POS_INF_MS:
+        return "+inf (end of input)"
+    return iso_ms(from_epoch_ms(ms))
+
+
+def print_progress(batch_id: int, stats: BatchStats) -> None:
+    print(
+        f"[batch {batch_id}] {stats.lines:,} lines, {stats.events:,} events, {stats.duplicates:,} duplicates, "
+        f"{stats.late:,} late, {stats.quarantined:,} quarantined -> {stats.windows_written:,} windows; "
+        f"watermark {describe_watermark(stats.watermark_out_ms)}",
+        flush=True,
+    )
+
+
+@dataclass
+class StreamReport:
+    job: str
+    batches: int = 0
+    stats: BatchStats = field(default_factory=BatchStats)
+    totals: BatchStats | None = None  # cumulative over the checkpoint's life
+    query_id: str | None = None
+
+
+class BatchHandler:
+    """The ``foreachBatch`` function of one job's stream."""
+
+    def __init__(self, job: WindowedJob, checkpoint: str, progress: ProgressFn | None, report: StreamReport):
+        self.job = job
+        self.checkpoint = checkpoint
+        self.progress = progress
+        self.report = report
+        self._query_id: str | None = None
+
+    def query_id(self, spark) -> str:
+        if self._query_id is None:
+            text = HadoopFS(spark).read_text(f"{self.checkpoint}/metadata")
+            try:
+                self._query_id = json.loads(text.splitlines()[0])["id"]
+            except (ValueError, KeyError, IndexError):
+                raise CheckpointCorruptError(
+                    f"{self.checkpoint}/metadata is unreadable; delete the checkpoint folder to start over"
+                ) from None
+        return self._query_id
+
+    def __call__(self, raw: DataFrame, batch_id: int) -> None:
+        spark = raw.sparkSession
+        job = self.job
+        state = EngineState(spark, self.checkpoint)
+        loaded = state.load_before(batch_id)
+        if loaded.record is not None and loaded.record.job_fingerprint != job.fingerprint():
+            raise CheckpointCorruptError(
+                f"checkpoint {self.checkpoint} was written by a different shape of job {job.name} "
+                "(keys, window or aggregates changed); start from a new checkpoint or migrate the state"
+            )
+        watermark_in = loaded.record.watermark_ms if loaded.record else NEG_INF_MS
+        plan = plan_batch(
+            job, raw, watermark_in_ms=watermark_in, open_windows=loaded.open_windows, seen_keys=loaded.seen_keys
+        )
+        try:
+            stats = plan.stats()
+            watermark_out = plan.next_watermark()
+            out = plan.finish(watermark_out)
+            commit = f"{self.query_id(spark)}:{batch_id}"
+            props = {"lakestream.job": job.name, "lakestream.watermark-ms": str(watermark_out)}
+            if stats.quarantined:
+                sinks.merge_quarantine(plan.quarantine(), job.quarantine)
+            if stats.late:
+                sinks.append_once(plan.late(), job.late_sink, commit, props)
+            emitted = out.emitted.count()
+            if emitted:
+                sinks.append_once(out.emitted, job.sink, commit, props)
+            stats = BatchStats(**{**stats.__dict__, "windows_written": emitted, "watermark_out_ms": watermark_out})
+            totals = loaded.record.totals.plus(stats) if loaded.record else stats
+            state.save(batch_id, stats, totals, out.open_windows, out.seen_keys, job.fingerprint())
+        finally:
+            plan.release()
+        self.report.batches += 1
+        self.report.stats = self.report.stats.plus(stats) if self.report.batches > 1 else stats
+        self.report.totals = totals
+        if self.progress:
+            self.progress(batch_id, stats)
+
+
+def start_stream(spark, settings: Settings, job: WindowedJob, *, available_now: bool, progress: ProgressFn | None = None):
+    """Start the job's streaming query; returns ``(query, report)``."""
+    landing = settings.landing_dir(job.source.name)
+    fs = HadoopFS(spark)
+    if not fs.exists(landing):
+        if settings.is_local:
+            fs.mkdirs(landing)
+        else:
+            raise ConfigError(f"landing folder {landing} does not exist; create it or fix 'landing' in the settings")
+    ensure_job_tables(spark, job)
+    overrides = settings.job(job.name)
+    reader = spark.readStream.format("text")
+    if overrides.max_files_per_trigger:
+        reader = reader.option("maxFilesPerTrigger", overrides.max_files_per_trigger)
+    raw = reader.load(landing).select("value", F.col("_metadata.file_path").alias("source_file"))
+    checkpoint = settings.checkpoint_dir(job.name)
+    report = StreamReport(job=job.name)
+    writer = (
+        raw.writeStream.queryName(job.name)
+        .option("checkpointLocation", checkpoint)
+        .foreachBatch(BatchHandler(job, checkpoint, progress, report))
+    )
+    if available_now:
+        writer = writer.trigger(availableNow=True)
+    else:
+        writer = writer.trigger(processingTime=f"{int(overrides.trigger_interval.total_seconds() * 1000)} milliseconds")
+    query = writer.start()
+    report.query_id = str(query.id)
+    return query, report
+
+
+def stop_gracefully(query, timeout_s: float = 120.0) -> None:
+    """Stop after the current micro-batch (never in the middle of one, unless it exceeds the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while query.isActive and query.status.get("isTriggerActive") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    query.stop()
+
+
+def run_stream(
+    spark,
+    settings: Settings,
+    job: WindowedJob,
+    *,
+    available_now: bool,
+    progress: ProgressFn | None = print_progress,
+    stop_event: threading.Event | None = None,
+) -> StreamReport:
+    """Run until the input is consumed (available-now) or until stopped (SIGINT/SIGTERM/``stop_event``)."""
+    query, report = start_stream(spark, settings, job, available_now=available_now, progress=progress)
+    stop = stop_event or threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        if not available_now:
+            print(
+                f"{job.name}: streaming from {settings.landing_dir(job.source.name)} every "
+                f"{format_duration(settings.job(job.name).trigger_interval)}; Ctrl-C stops after the current batch",
+                flush=True,
+            )
+        while query.isActive:
+            if stop.is_set():
+                stop_gracefully(query)
+                break
+            query.awaitTermination(0.5)
+        if query.exception() is not None:
+            raise query.exception()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return report

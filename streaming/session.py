@@ -1,0 +1,165 @@
+"""The one SparkSession builder used by the CLI, the jobs, the backfills, Dagster and the tests.
+
+``spark_conf(settings)`` is a plain dict (Dagster's ``PySparkResource`` takes exactly that);
+``get_spark(settings)`` runs the startup checks, pins ``PYSPARK_PYTHON`` and builds/caches the
+session. Nothing here runs at import time.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from .errors import ConfigError, IcebergJarNotFoundError, JavaNotFoundError
+from .settings import Settings
+
+ICEBERG_JAR_GLOB = "iceberg-spark-runtime-3.5_2.12-*.jar"
+_ICEBERG_WHEEL = "snowpark_connect_deps_iceberg"
+LOG4J_CONFIG = Path(__file__).with_name("log4j2.properties")
+_MIN_JAVA, _MAX_JAVA = 17, 21  # Spark 3.5 supports Java 8/11/17; we pin 17 and accept up to 21
+
+
+def java_major_version(java_home: str | None = None, path: str | None = None) -> int:
+    """The major version of the Java that Spark will start, or JavaNotFoundError."""
+    home = java_home if java_home is not None else os.environ.get("JAVA_HOME")
+    java = os.path.join(home, "bin", "java") if home else shutil.which("java", path=path)
+    if not java or not os.path.exists(java):
+        where = f"JAVA_HOME={home} has no bin/java" if home else "no 'java' on PATH"
+        raise JavaNotFoundError(
+            f"Java 17 is required but was not found ({where}); install it (apt-get install openjdk-17-jre-headless) "
+            "or set JAVA_HOME to a Java 17 installation"
+        )
+    try:
+        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise JavaNotFoundError(f"could not run {java} -version ({exc}); set JAVA_HOME to a Java 17 installation") from None
+    match = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
+    if not match:
+        raise JavaNotFoundError(f"could not read the version printed by {java}; set JAVA_HOME to a Java 17 installation")
+    major = int(match.group(1))
+    return int(match.group(2)) if major == 1 and match.group(2) else major
+
+
+def check_java(java_home: str | None = None, path: str | None = None) -> int:
+    major = java_major_version(java_home, path)
+    if major < _MIN_JAVA:
+        raise JavaNotFoundError(
+            f"Java {major} is too old: Spark needs Java 17; install openjdk-17 and point JAVA_HOME at it"
+        )
+    if major > _MAX_JAVA:
+        raise JavaNotFoundError(
+            f"Java {major} is too new for Spark 3.5: install openjdk-17 and point JAVA_HOME at it"
+        )
+    return major
+
+
+def iceberg_jar(settings: Settings) -> str | None:
+    """The Iceberg runtime jar: configured path, else the bundled wheel; None when Maven packages are configured."""
+    configured = settings.iceberg.jar
+    if configured:
+        if not Path(configured).is_file():
+            raise IcebergJarNotFoundError(
+                f"Iceberg jar {configured} (from LAKESTREAM_ICEBERG_JAR or iceberg.jar) does not exist; fix the path"
+            )
+        return configured
+    spec = importlib.util.find_spec(_ICEBERG_WHEEL)
+    if spec and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            found = sorted(glob.glob(os.path.join(folder, "jars", ICEBERG_JAR_GLOB)))
+            if found:
+                return found[-1]
+    if settings.iceberg.packages:
+        return None
+    raise IcebergJarNotFoundError(
+        "Iceberg Spark runtime jar not found: pip install snowpark-connect-deps-iceberg==1.0.2, "
+        "or set LAKESTREAM_ICEBERG_JAR (or iceberg.jar / iceberg.packages in lakestream.yaml)"
+    )
+
+
+def spark_conf(settings: Settings) -> dict[str, str]:
+    """Every Spark setting lakestream needs, as a flat dict (also fed to Dagster's PySparkResource)."""
+    ice = settings.iceberg
+    conf: dict[str, str] = {
+        "spark.master": settings.spark_master,
+        "spark.app.name": "lakestream",
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.shuffle.partitions": str(settings.shuffle_partitions),
+        "spark.sql.extensions": "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions",
+        "spark.sql.catalog.lake": "org.apache.iceberg.spark.SparkCatalog",
+        "spark.sql.catalog.lake.type": ice.catalog,
+        "spark.sql.catalog.lake.warehouse": ice.warehouse or settings.warehouse,
+        "spark.sql.streaming.stateStore.providerClass":
+            "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
+        "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled": "true",
+        "spark.sql.adaptive.enabled": "true",
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{LOG4J_CONFIG}",
+        # Streams commit through a cloned session: a cached table in another session would be stale.
+        "spark.sql.catalog.lake.cache-enabled": "false",
+        "spark.sql.sources.partitionOverwriteMode": "dynamic",
+        "spark.sql.parquet.compression.codec": "zstd",
+    }
+    if ice.uri:
+        conf["spark.sql.catalog.lake.uri"] = ice.uri
+    for key, value in ice.properties.items():
+        conf[f"spark.sql.catalog.lake.{key}"] = value
+    jar = iceberg_jar(settings)
+    if jar:
+        conf["spark.jars"] = jar
+    if ice.packages:
+        conf["spark.jars.packages"] = ice.packages
+    if settings.spark_master.startswith("local"):
+        conf.setdefault("spark.driver.memory", "2g")
+    conf.update(settings.spark_conf)
+    return conf
+
+
+def prepare_environment(local: bool = True) -> None:
+    """Pin the Python workers to this interpreter (else PySpark may start another Python)."""
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    os.environ.setdefault("PYARROW_IGNORE_TIMEZONE", "1")
+    if local:
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+
+_SESSION = None
+
+
+def get_spark(settings: Settings):
+    """The shared SparkSession for these settings (built once per process)."""
+    global _SESSION
+    if _SESSION is not None and _SESSION._jsc is not None:  # noqa: SLF001 - the session is alive
+        return _SESSION
+    if settings.iceberg.catalog not in {"hadoop", "rest", "hive", "glue", "nessie", "jdbc"} and "." not in settings.iceberg.catalog:
+        raise ConfigError(
+            f"iceberg.catalog {settings.iceberg.catalog!r} is not a known Iceberg catalog type; use hadoop, rest, hive, glue, nessie or jdbc"
+        )
+    check_java()
+    conf = spark_conf(settings)
+    prepare_environment(settings.spark_master.startswith("local"))
+    if settings.is_local:
+        Path(settings.warehouse).mkdir(parents=True, exist_ok=True)
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    _SESSION = session
+    return session
+
+
+def stop_spark() -> None:
+    global _SESSION
+    if _SESSION is not None:
+        _SESSION.stop()
+        _SESSION = None

@@ -1,0 +1,194 @@
+"""One settings object, read once from the environment and an optional YAML file.
+
+Precedence (highest first): environment variables, the YAML file, defaults.
+
+=============================  ==============================================================
+``LAKESTREAM_HOME``            root of the embedded lakehouse (default ``./.lake``)
+``LAKESTREAM_CONFIG``          YAML file (default ``$LAKESTREAM_HOME/lakestream.yaml`` if present)
+``LAKESTREAM_SPARK_MASTER``    Spark master URL (default ``local[*]``)
+``LAKESTREAM_ICEBERG_JAR``     path of the Iceberg Spark runtime jar (default: the bundled wheel)
+=============================  ==============================================================
+
+YAML keys (all optional)::
+
+    landing: /data/landing            # each path defaults to a folder under home
+    warehouse: s3a://bucket/warehouse
+    delta_root: s3a://bucket/delta
+    checkpoints: s3a://bucket/checkpoints
+    savepoints: s3a://bucket/savepoints
+    spark:
+      master: spark://10.0.0.5:7077
+      shuffle_partitions: 8
+      conf: {spark.executor.memory: 4g}
+    iceberg:
+      catalog: rest                   # hadoop (default) | rest | hive | any Iceberg catalog type
+      uri: http://rest-catalog:8181
+      jar: /opt/jars/iceberg-spark-runtime-3.5_2.12-1.10.2.jar
+      packages: org.apache.iceberg:iceberg-spark-runtime-3.5_2.12:1.10.2   # only if set
+      properties: {io-impl: org.apache.iceberg.aws.s3.S3FileIO}
+    jobs:
+      purchase_metrics:
+        out_of_orderness: 10s
+        trigger_interval: 5s
+        max_files_per_trigger: 1
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from .durations import parse_duration
+from .errors import ConfigError
+
+_TOP_KEYS = {"landing", "warehouse", "delta_root", "checkpoints", "savepoints", "spark", "iceberg", "jobs"}
+_JOB_KEYS = {"out_of_orderness", "allowed_lateness", "trigger_interval", "max_files_per_trigger", "dedup_ttl"}
+
+
+@dataclass(frozen=True)
+class JobOverrides:
+    """Per-job settings that may differ between deployments (not part of a job's identity)."""
+
+    out_of_orderness: timedelta | None = None
+    allowed_lateness: timedelta | None = None
+    dedup_ttl: timedelta | None = None
+    trigger_interval: timedelta = timedelta(seconds=5)
+    max_files_per_trigger: int | None = None
+
+
+@dataclass(frozen=True)
+class IcebergSettings:
+    catalog: str = "hadoop"
+    uri: str | None = None
+    warehouse: str | None = None  # defaults to Settings.warehouse
+    jar: str | None = None
+    packages: str | None = None
+    properties: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    landing: str
+    warehouse: str
+    delta_root: str
+    checkpoints: str
+    savepoints: str
+    spark_master: str = "local[*]"
+    shuffle_partitions: int = 4
+    spark_conf: Mapping[str, str] = field(default_factory=dict)
+    iceberg: IcebergSettings = field(default_factory=IcebergSettings)
+    jobs: Mapping[str, JobOverrides] = field(default_factory=dict)
+    config_file: Path | None = None
+
+    @classmethod
+    def load(cls, environ: Mapping[str, str] | None = None, config_file: str | Path | None = None) -> "Settings":
+        """Read settings from ``environ`` (default ``os.environ``) and the YAML file."""
+        env = os.environ if environ is None else environ
+        home = Path(env.get("LAKESTREAM_HOME") or ".lake").expanduser().resolve()
+        path = config_file or env.get("LAKESTREAM_CONFIG")
+        if path is None and (home / "lakestream.yaml").exists():
+            path = home / "lakestream.yaml"
+        data = _read_yaml(Path(path)) if path else {}
+        unknown = set(data) - _TOP_KEYS
+        if unknown:
+            raise ConfigError(
+                f"{path}: unknown key(s) {sorted(unknown)}; allowed top-level keys are {sorted(_TOP_KEYS)}"
+            )
+        spark = _mapping(data.get("spark"), "spark")
+        ice = _mapping(data.get("iceberg"), "iceberg")
+        try:
+            partitions = int(spark.get("shuffle_partitions", 4))
+        except (TypeError, ValueError):
+            raise ConfigError(f"spark.shuffle_partitions must be a whole number, got {spark.get('shuffle_partitions')!r}") from None
+        if partitions < 1:
+            raise ConfigError(f"spark.shuffle_partitions must be at least 1, got {partitions}")
+
+        def where(key: str, default: str) -> str:
+            return str(data.get(key) or home / default)
+
+        settings = cls(
+            home=home,
+            landing=where("landing", "landing"),
+            warehouse=where("warehouse", "warehouse"),
+            delta_root=where("delta_root", "delta"),
+            checkpoints=where("checkpoints", "checkpoints"),
+            savepoints=where("savepoints", "savepoints"),
+            spark_master=env.get("LAKESTREAM_SPARK_MASTER") or spark.get("master") or "local[*]",
+            shuffle_partitions=partitions,
+            spark_conf={str(k): str(v) for k, v in _mapping(spark.get("conf"), "spark.conf").items()},
+            iceberg=IcebergSettings(
+                catalog=str(ice.get("catalog", "hadoop")),
+                uri=ice.get("uri"),
+                warehouse=ice.get("warehouse"),
+                jar=env.get("LAKESTREAM_ICEBERG_JAR") or ice.get("jar"),
+                packages=ice.get("packages"),
+                properties={str(k): str(v) for k, v in _mapping(ice.get("properties"), "iceberg.properties").items()},
+            ),
+            jobs={name: _job_overrides(name, raw) for name, raw in _mapping(data.get("jobs"), "jobs").items()},
+            config_file=Path(path) if path else None,
+        )
+        return settings
+
+    def job(self, name: str) -> JobOverrides:
+        return self.jobs.get(name, JobOverrides())
+
+    def with_job(self, name: str, **changes: Any) -> "Settings":
+        """A copy with some overrides of one job changed (tests, CLI flags)."""
+        jobs = dict(self.jobs)
+        jobs[name] = replace(self.job(name), **changes)
+        return replace(self, jobs=jobs)
+
+    def landing_dir(self, source: str) -> str:
+        return f"{self.landing.rstrip('/')}/{source}"
+
+    def checkpoint_dir(self, job: str) -> str:
+        return f"{self.checkpoints.rstrip('/')}/{job}"
+
+    @property
+    def is_local(self) -> bool:
+        return "://" not in self.warehouse or self.warehouse.startswith("file:")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist; create it or unset LAKESTREAM_CONFIG")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file {path} is not valid YAML{where}; fix the syntax") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def _mapping(value: Any, name: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"'{name}' must be a mapping of keys, got {value!r}")
+    return value
+
+
+def _job_overrides(name: str, raw: Any) -> JobOverrides:
+    raw = _mapping(raw, f"jobs.{name}")
+    unknown = set(raw) - _JOB_KEYS
+    if unknown:
+        raise ConfigError(f"jobs.{name}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_JOB_KEYS)}")
+    values: dict[str, Any] = {}
+    for key in ("out_of_orderness", "allowed_lateness", "dedup_ttl", "trigger_interval"):
+        if key in raw:
+            values[key] = parse_duration(raw[key], field=f"jobs.{name}.{key}")
+    if "max_files_per_trigger" in raw:
+        try:
+            values["max_files_per_trigger"] = int(raw["max_files_per_trigger"])
+        except (TypeError, ValueError):
+            raise ConfigError(f"jobs.{name}.max_files_per_trigger must be a whole number") from None
+    return JobOverrides(**values)

@@ -1,0 +1,121 @@
+"""The engine's own state, kept inside the Spark checkpoint folder (``<checkpoint>/lakestream``).
+
+Layout, one set per micro-batch ``N`` (the two latest are kept)::
+
+    lakestream/batches/N.json      batch record: watermark in/out, statistics, state schemas
+    lakestream/windows/N/          open windows (partial aggregates) after batch N, Parquet
+    lakestream/seen/N/             dedup keys still remembered after batch N, Parquet
+
+The JSON record is written last: it marks batch N's state complete. Batch N always starts from
+the newest record *below* N, so replaying a batch after a crash recomputes exactly the same
+outputs (Spark replays the same input files), which is what makes the sinks exactly-once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from pyspark.sql import DataFrame
+from pyspark.sql import types as T
+
+from .engine import BatchStats
+from .errors import CheckpointCorruptError
+from .hadoopfs import HadoopFS
+
+KEEP_BATCHES = 2
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    batch_id: int
+    stats: BatchStats
+    totals: BatchStats  # cumulative over the stream's life, this batch included
+    windows_schema: str
+    seen_schema: str
+    job_fingerprint: str
+
+    @property
+    def watermark_ms(self) -> int:
+        return self.stats.watermark_out_ms
+
+
+@dataclass(frozen=True)
+class LoadedState:
+    record: BatchRecord | None
+    open_windows: DataFrame | None
+    seen_keys: DataFrame | None
+
+
+class EngineState:
+    def __init__(self, spark, checkpoint_dir: str):
+        self._spark = spark
+        self._fs = HadoopFS(spark)
+        self.root = f"{checkpoint_dir.rstrip('/')}/lakestream"
+
+    def batch_ids(self) -> list[int]:
+        ids = []
+        for name in self._fs.list_names(f"{self.root}/batches"):
+            if name.endswith(".json") and name[:-5].isdigit():
+                ids.append(int(name[:-5]))
+        return sorted(ids)
+
+    def read_record(self, batch_id: int) -> BatchRecord:
+        path = f"{self.root}/batches/{batch_id}.json"
+        try:
+            data = json.loads(self._fs.read_text(path))
+            return BatchRecord(
+                batch_id=data["batch_id"],
+                stats=BatchStats(**data["stats"]),
+                totals=BatchStats(**data["totals"]),
+                windows_schema=data["windows_schema"],
+                seen_schema=data["seen_schema"],
+                job_fingerprint=data["job_fingerprint"],
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointCorruptError(
+                f"batch record {path} is unreadable ({exc}); restore a savepoint or delete the checkpoint to start over"
+            ) from None
+
+    def latest_record(self) -> BatchRecord | None:
+        ids = self.batch_ids()
+        return self.read_record(ids[-1]) if ids else None
+
+    def load_before(self, batch_id: int) -> LoadedState:
+        earlier = [i for i in self.batch_ids() if i < batch_id]
+        if not earlier:
+            return LoadedState(None, None, None)
+        record = self.read_record(earlier[-1])
+        read = self._spark.read
+        windows = read.schema(T.StructType.fromJson(json.loads(record.windows_schema))).parquet(
+            f"{self.root}/windows/{record.batch_id}"
+        )
+        seen = read.schema(T.StructType.fromJson(json.loads(record.seen_schema))).parquet(
+            f"{self.root}/seen/{record.batch_id}"
+        )
+        return LoadedState(record, windows, seen)
+
+    def save(
+        self,
+        batch_id: int,
+        stats: BatchStats,
+        totals: BatchStats,
+        open_windows: DataFrame,
+        seen_keys: DataFrame,
+        fingerprint: str,
+    ) -> None:
+        open_windows.write.mode("overwrite").parquet(f"{self.root}/windows/{batch_id}")
+        seen_keys.write.mode("overwrite").parquet(f"{self.root}/seen/{batch_id}")
+        record = {
+            "batch_id": batch_id,
+            "stats": asdict(stats),
+            "totals": asdict(totals),
+            "windows_schema": open_windows.schema.json(),
+            "seen_schema": seen_keys.schema.json(),
+            "job_fingerprint": fingerprint,
+        }
+        self._fs.write_text(f"{self.root}/batches/{batch_id}.json", json.dumps(record, indent=1))
+        for old in self.batch_ids()[:-KEEP_BATCHES]:
+            for part in ("windows", "seen"):
+                self._fs.delete(f"{self.root}/{part}/{old}")
+            self._fs.delete(f"{self.root}/batches/{old}.json")

@@ -1,0 +1,171 @@
+"""purchase_metrics against independent oracles: stream, bounded twin, quarantine, restart."""
+
+from __future__ import annotations
+
+import shutil
+from datetime import timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from batch.backfill import backfill
+from streaming.durations import epoch_ms
+from streaming.jobs import get_job
+from streaming.runner import run_stream
+from tests import oracle
+from tests.conftest import SMALL
+
+JOB = "purchase_metrics"
+
+
+def table_windows(spark, name="lake.payments.purchase_metrics") -> dict[tuple[str, int], tuple]:
+    rows = spark.sql(
+        f"SELECT user_id, unix_millis(window_start) AS ws, unix_millis(window_end) AS we, event_count, "
+        f"approved_count, declined_count, amount_sum FROM {name}"
+    ).collect()
+    out = {}
+    for r in rows:
+        key = (r.user_id, r.ws)
+        assert key not in out, f"duplicate window {key}"
+        assert r.we - r.ws == oracle.WINDOW_MS
+        out[key] = (r.event_count, r.approved_count, r.declined_count, Decimal(r.amount_sum))
+    return out
+
+
+def one_file_per_batch(landing: Path) -> list[list[str]]:
+    return [oracle.read_lines(p) for p in oracle.files_in_arrival_order(landing)]
+
+
+def run_one_file_per_trigger(spark, settings):
+    settings = settings.with_job(JOB, max_files_per_trigger=1)
+    return run_stream(spark, settings, get_job(JOB, settings), available_now=True, progress=None)
+
+
+def test_stream_emits_exactly_the_closed_windows_and_sends_late_events_to_the_side_output(spark, small_landing):
+    landing = Path(small_landing.landing_dir("payments"))
+    truth = oracle.replay_stream(one_file_per_batch(landing))
+    assert truth.late_ids, "the input must contain late events for this test to mean anything"
+
+    report = run_one_file_per_trigger(spark, small_landing)
+
+    assert report.batches == len(oracle.files_in_arrival_order(landing))
+    assert table_windows(spark) == truth.closed
+    late = spark.sql("SELECT event_id, window_end, watermark_ms, late_by_ms, event_time FROM lake.payments.purchase_metrics_late").collect()
+    assert {r.event_id for r in late} == truth.late_ids
+    # every late row missed its window: the window had closed when the event arrived
+    assert all(epoch_ms(r.window_end) <= r.watermark_ms for r in late)
+    assert all(r.late_by_ms == r.watermark_ms - epoch_ms(r.event_time) for r in late)
+    assert report.stats.late == len(truth.late_ids)
+    assert report.totals.watermark_out_ms == truth.watermark_ms
+
+
+def test_bounded_twin_equals_the_batch_oracle_and_rerunning_changes_nothing(spark, small_landing):
+    start, end = SMALL.start, SMALL.start + timedelta(days=1)
+    job = get_job(JOB, small_landing)
+    expected = oracle.bounded_windows(Path(small_landing.landing_dir("payments")))
+    expected = {
+        (r.user_id, r.window_start_ms): (r.event_count, r.approved_count, r.declined_count, r.amount_sum)
+        for r in expected.itertuples()
+    }
+
+    first = backfill(spark, small_landing, job, start, end, progress=lambda *_: None)
+    assert table_windows(spark) == expected
+    assert first.stats.late == 0
+    files_before = {r.file_path for r in spark.sql("SELECT file_path FROM lake.payments.purchase_metrics.files").collect()}
+
+    backfill(spark, small_landing, job, start, end, progress=lambda *_: None)
+    assert table_windows(spark) == expected
+    files_after = spark.sql("SELECT file_path FROM lake.payments.purchase_metrics.files").count()
+    assert files_after == len(files_before), "a re-run replaces the range, it does not add to it"
+
+
+def test_reconciliation_law_stream_plus_late_side_output_equals_bounded(spark, small_landing):
+    """For every window: closed stream result + late events of that window = bounded result."""
+    landing = Path(small_landing.landing_dir("payments"))
+    truth = oracle.replay_stream(one_file_per_batch(landing))
+    run_one_file_per_trigger(spark, small_landing)
+    streamed = table_windows(spark)
+    late = spark.sql(
+        "SELECT user_id, unix_millis(window_start) AS ws, count(*) AS n FROM lake.payments.purchase_metrics_late GROUP BY 1, 2"
+    ).collect()
+    late_counts = {(r.user_id, r.ws): r.n for r in late}
+    bounded = oracle.bounded_windows(landing)
+    for r in bounded.itertuples():
+        key = (r.user_id, r.window_start_ms)
+        if key[1] + oracle.WINDOW_MS > truth.watermark_ms:
+            continue  # still open in the stream
+        assert streamed.get(key, (0,))[0] + late_counts.get(key, 0) == r.event_count, key
+
+
+def test_bounded_twin_over_a_partial_day_replaces_only_that_range(spark, small_landing):
+    job = get_job(JOB, small_landing)
+    whole = (SMALL.start, SMALL.start + timedelta(days=1))
+    backfill(spark, small_landing, job, *whole, progress=lambda *_: None)
+    spark.sql("UPDATE lake.payments.purchase_metrics SET event_count = -1")  # spoil every row
+    lo, hi = SMALL.start + timedelta(minutes=5), SMALL.start + timedelta(minutes=10)
+
+    backfill(spark, small_landing, job, lo, hi, progress=lambda *_: None)
+
+    expected = oracle.bounded_windows(Path(small_landing.landing_dir("payments")), epoch_ms(lo), epoch_ms(hi))
+    rows = table_windows(spark)
+    inside = {k: v for k, v in rows.items() if epoch_ms(lo) <= k[1] < epoch_ms(hi)}
+    assert {k: v[0] for k, v in inside.items()} == {
+        (r.user_id, r.window_start_ms): r.event_count for r in expected.itertuples()
+    }
+    assert all(v[0] == -1 for k, v in rows.items() if k not in inside), "rows outside the range are untouched"
+
+
+def test_every_line_is_either_an_event_or_quarantined_with_a_reason(spark, small_landing):
+    landing = Path(small_landing.landing_dir("payments"))
+    lines = [line for p in oracle.files_in_arrival_order(landing) for line in oracle.read_lines(p)]
+    invalid = [line for line in lines if oracle.validate(line) is None]
+    assert invalid
+
+    report = run_one_file_per_trigger(spark, small_landing)
+
+    rows = spark.sql("SELECT raw_line, reason, occurrences, source_file FROM lake.quarantine.payments").collect()
+    assert sum(r.occurrences for r in rows) == len(invalid)
+    assert sorted(r.raw_line for r in rows for _ in range(r.occurrences)) == sorted(invalid)
+    assert all(r.reason and r.source_file.endswith(".jsonl") for r in rows)
+    reasons = {r.reason.split(" ")[0] for r in rows}
+    assert {"malformed", "missing", "invalid"} <= reasons
+    assert report.stats.lines == len(lines)
+    assert report.stats.lines == report.stats.quarantined + report.stats.events + report.stats.duplicates
+
+
+def test_restart_continues_where_it_left_off_without_duplicate_windows(spark, lake, tmp_path):
+    from streaming.generator import generate
+
+    staging = tmp_path / "staging"
+    generate(SMALL, staging, sources=("payments",))
+    files = oracle.files_in_arrival_order(staging / "payments")
+    landing = Path(lake.landing_dir("payments"))
+    landing.mkdir(parents=True)
+    half = len(files) // 2
+    for p in files[:half]:
+        shutil.move(p, landing / p.name)
+    first = run_one_file_per_trigger(spark, lake)
+    assert first.batches == half
+    for p in files[half:]:
+        shutil.move(p, landing / p.name)
+
+    second = run_one_file_per_trigger(spark, lake)
+
+    assert second.batches == len(files) - half
+    truth = oracle.replay_stream(one_file_per_batch(landing))
+    assert table_windows(spark) == truth.closed  # table_windows also fails on a duplicate window
+    late = spark.sql("SELECT event_id FROM lake.payments.purchase_metrics_late").collect()
+    assert sorted(r.event_id for r in late) == sorted(truth.late_ids)
+
+
+def test_transform_runs_unchanged_on_a_streaming_frame(spark, small_landing):
+    from pyspark.sql import functions as F
+
+    from streaming.parse import parse
+
+    job = get_job(JOB)
+    raw = spark.readStream.format("text").load(small_landing.landing_dir("payments"))
+    frame = job.transform(parse(raw.select("value", F.col("_metadata.file_path").alias("source_file")), job.source))
+    assert frame.isStreaming
+    assert {"user_id", "event_time", "approved", "declined", "amount"} <= set(frame.columns)
