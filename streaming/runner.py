@@ -164,12 +164,13 @@ def run_stream(
     available_now: bool,
     progress: ProgressFn | None = print_progress,
     stop_event: threading.Event | None = None,
+    install_signal_handlers: bool = True,
 ) -> StreamReport:
     """Run until the input is consumed (available-now) or until stopped (SIGINT/SIGTERM/``stop_event``)."""
     query, report = start_stream(spark, settings, job, available_now=available_now, progress=progress)
     stop = stop_event or threading.Event()
     previous = {}
-    if threading.current_thread() is threading.main_thread():
+    if install_signal_handlers and threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
@@ -186,6 +187,10 @@ def run_stream(
             query.awaitTermination(0.5)
         if query.exception() is not None:
             raise query.exception()
+    except BaseException:
+        if query.isActive:  # interrupted (e.g. a Dagster run terminated): stop after the current batch
+            stop_gracefully(query)
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -1,0 +1,83 @@
+"""Settings precedence and validation; declarations validate at construction. No Spark."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from streaming.declaration import Agg, IcebergTable, Tumbling, Watermark
+from streaming.errors import ConfigError, DeclarationError
+from streaming.jobs import get_job, registry
+from streaming.session import spark_conf
+from streaming.settings import Settings
+
+
+def test_defaults_live_under_one_home(tmp_path):
+    s = Settings.load({"LAKESTREAM_HOME": str(tmp_path)})
+    assert s.landing == str(tmp_path / "landing")
+    assert s.warehouse == str(tmp_path / "warehouse")
+    assert s.checkpoint_dir("purchase_metrics") == f"{tmp_path}/checkpoints/purchase_metrics"
+    assert s.spark_master == "local[*]"
+
+
+def test_yaml_then_environment_override_and_reach_spark_conf(tmp_path):
+    (tmp_path / "lakestream.yaml").write_text(
+        "spark: {master: 'spark://10.0.0.5:7077', shuffle_partitions: 8}\n"
+        "iceberg: {catalog: rest, uri: 'http://catalog:8181', warehouse: 's3a://b/wh'}\n"
+        "jobs: {purchase_metrics: {out_of_orderness: 10s, max_files_per_trigger: 2}}\n"
+    )
+    s = Settings.load({"LAKESTREAM_HOME": str(tmp_path), "LAKESTREAM_SPARK_MASTER": "local[2]"})
+    conf = spark_conf(s)
+    assert conf["spark.master"] == "local[2]"  # environment wins over YAML
+    assert conf["spark.sql.shuffle.partitions"] == "8"
+    assert conf["spark.sql.catalog.lake.type"] == "rest"
+    assert conf["spark.sql.catalog.lake.uri"] == "http://catalog:8181"
+    assert conf["spark.sql.catalog.lake.warehouse"] == "s3a://b/wh"
+    assert "RocksDBStateStoreProvider" in conf["spark.sql.streaming.stateStore.providerClass"]
+    assert "spark.jars.packages" not in conf  # Maven only when configured
+    assert conf["spark.jars"].endswith(".jar")
+    job = get_job("purchase_metrics", s)
+    assert job.watermark.out_of_orderness == timedelta(seconds=10)
+    assert s.job("purchase_metrics").max_files_per_trigger == 2
+
+
+@pytest.mark.parametrize(
+    "text, phrase",
+    [
+        ("sparks: {}\n", "unknown key(s) ['sparks']"),
+        ("jobs: {purchase_metrics: {out_of_orderness: soon}}\n", "jobs.purchase_metrics.out_of_orderness"),
+        ("spark: [1, 2]\n", "'spark' must be a mapping"),
+        ("spark: {shuffle_partitions: 0}\n", "at least 1"),
+        ("a: [\n", "not valid YAML"),
+    ],
+)
+def test_bad_settings_name_the_problem(tmp_path, text, phrase):
+    (tmp_path / "lakestream.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=None) as info:
+        Settings.load({"LAKESTREAM_HOME": str(tmp_path)})
+    assert phrase in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_declarations_validate_at_construction():
+    with pytest.raises(DeclarationError, match="Tumbling.size must be positive"):
+        Tumbling(size=timedelta(0))
+    with pytest.raises(DeclarationError, match="allowed_lateness must be a timedelta >= 0"):
+        Watermark(out_of_orderness=timedelta(seconds=5), allowed_lateness=timedelta(seconds=-1))
+    with pytest.raises(DeclarationError, match="lake.<namespace>.<table>"):
+        IcebergTable("payments.purchase_metrics")
+    with pytest.raises(DeclarationError, match="sum, min, max or count"):
+        Agg("avg", "amount")
+
+
+def test_the_job_declaration_is_frozen_hashable_and_fingerprinted():
+    job = registry()["purchase_metrics"]
+    assert hash(job) == hash(registry()["purchase_metrics"])
+    with pytest.raises(AttributeError):
+        job.keys = ("card_id",)  # type: ignore[misc]
+    from dataclasses import replace
+
+    assert replace(job, keys=("card_id",)).fingerprint() != job.fingerprint()
+    assert replace(job, window=Tumbling(timedelta(minutes=10))).fingerprint() != job.fingerprint()
+    assert replace(job, watermark=Watermark(timedelta(seconds=9))).fingerprint() == job.fingerprint()
