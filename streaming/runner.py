@@ -80,6 +80,9 @@ class BatchHandler:
 
     def __call__(self, raw: DataFrame, batch_id: int) -> None:
         spark = raw.sparkSession
+        # foreachBatch runs in the stream's session clone, where Spark turns AQE off for the sake of
+        # stateful operators. Our batch plans keep no Spark state, so adaptive execution is safe here.
+        spark.conf.set("spark.sql.adaptive.enabled", "true")
         job = self.job
         state = EngineState(spark, self.checkpoint)
         loaded = state.load_before(batch_id)
@@ -98,8 +101,8 @@ class BatchHandler:
             out = plan.finish(watermark_out)
             commit = f"{self.query_id(spark)}:{batch_id}"
             props = {"lakestream.job": job.name, "lakestream.watermark-ms": str(watermark_out)}
-            if stats.quarantined:
-                sinks.merge_quarantine(plan.quarantine(), job.quarantine)
+            if stats.quarantined:  # a stream reads each file once: an idempotent append suffices
+                sinks.append_once(plan.quarantine(), job.quarantine, commit, props)
             if stats.late:
                 sinks.append_once(plan.late(), job.late_sink, commit, props)
             emitted = out.emitted.count()

@@ -14,7 +14,9 @@ from streaming.settings import Settings
 
 @pytest.fixture(scope="session")
 def warehouse(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("warehouse")
+    path = tmp_path_factory.mktemp("warehouse")
+    _WAREHOUSE[:] = [path]
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -34,15 +36,27 @@ def _with_warehouse(settings: Settings, warehouse: Path) -> Settings:
     return replace(settings, warehouse=str(warehouse), shuffle_partitions=2)
 
 
-@pytest.fixture
-def lake(tmp_path, warehouse, spark) -> Settings:
-    """Settings for a fresh lake home; the shared Iceberg warehouse is emptied of job tables."""
-    for namespace in ("payments", "quarantine", "ops"):
+_WAREHOUSE: list[Path] = []
+
+
+def drop_job_tables(spark) -> None:
+    """Empty the shared Iceberg warehouse of every lakestream table."""
+    for namespace in ("payments", "quarantine", "fraud", "logins", "ops"):
         if spark.sql(f"SHOW NAMESPACES IN lake LIKE '{namespace}'").count():
             for row in spark.sql(f"SHOW TABLES IN lake.{namespace}").collect():
                 spark.sql(f"DROP TABLE IF EXISTS lake.{namespace}.{row.tableName} PURGE")
-    settings = Settings.load({"LAKESTREAM_HOME": str(tmp_path / "lake")})
-    return _with_warehouse(settings, warehouse)
+
+
+def settings_for(home: Path) -> Settings:
+    """Settings for a lake home at ``home``, on the session's shared warehouse."""
+    return _with_warehouse(Settings.load({"LAKESTREAM_HOME": str(home / "lake")}), _WAREHOUSE[0])
+
+
+@pytest.fixture
+def lake(tmp_path, warehouse, spark) -> Settings:
+    """Settings for a fresh lake home; the shared Iceberg warehouse is emptied of job tables."""
+    drop_job_tables(spark)
+    return settings_for(tmp_path)
 
 
 SMALL = GeneratorConfig(
