@@ -29,6 +29,9 @@ from .state import EngineState
 from .tables import ensure_job_tables
 
 ProgressFn = Callable[[int, BatchStats], None]
+# Called at named points of a batch ("committed:<table>", "before-state"); tests raise from it to
+# simulate a crash at that point (like bytewax's ABORT() markers).
+FaultFn = Callable[[str, int], None]
 
 
 def describe_watermark(ms: int | None) -> str:
@@ -60,8 +63,10 @@ class StreamReport:
 class BatchHandler:
     """The ``foreachBatch`` function of one job's stream."""
 
-    def __init__(self, job: WindowedJob, checkpoint: str, progress: ProgressFn | None, report: StreamReport):
+    def __init__(self, job: WindowedJob, checkpoint: str, progress: ProgressFn | None, report: StreamReport,
+                 fault: FaultFn | None = None):
         self.job = job
+        self._fault = fault or (lambda point, batch_id: None)
         self.checkpoint = checkpoint
         self.progress = progress
         self.report = report
@@ -101,13 +106,20 @@ class BatchHandler:
             out = plan.finish(watermark_out)
             commit = f"{self.query_id(spark)}:{batch_id}"
             props = {"lakestream.job": job.name, "lakestream.watermark-ms": str(watermark_out)}
-            if stats.quarantined:  # a stream reads each file once: an idempotent append suffices
-                sinks.append_once(plan.quarantine(), job.quarantine, commit, props)
-            if stats.late:
-                sinks.append_once(plan.late(), job.late_sink, commit, props)
+            replay = state.has_intent(batch_id)
             emitted = out.emitted.count()
+            if stats.quarantined or stats.late or emitted:
+                state.mark_intent(batch_id)
+            if stats.quarantined:  # a stream reads each file once: an idempotent append suffices
+                sinks.append_once(plan.quarantine(), job.quarantine, commit, props, may_exist=replay)
+                self._fault(f"committed:{job.quarantine.name}", batch_id)
+            if stats.late:
+                sinks.append_once(plan.late(), job.late_sink, commit, props, may_exist=replay)
+                self._fault(f"committed:{job.late_sink.name}", batch_id)
             if emitted:
-                sinks.append_once(out.emitted, job.sink, commit, props)
+                sinks.append_once(out.emitted, job.sink, commit, props, may_exist=replay)
+                self._fault(f"committed:{job.sink.name}", batch_id)
+            self._fault("before-state", batch_id)
             stats = BatchStats(**{**stats.__dict__, "windows_written": emitted, "watermark_out_ms": watermark_out})
             totals = loaded.record.totals.plus(stats) if loaded.record else stats
             state.save(batch_id, stats, totals, out.open_windows, out.seen_keys, job.fingerprint())
@@ -120,7 +132,8 @@ class BatchHandler:
             self.progress(batch_id, stats)
 
 
-def start_stream(spark, settings: Settings, job: WindowedJob, *, available_now: bool, progress: ProgressFn | None = None):
+def start_stream(spark, settings: Settings, job: WindowedJob, *, available_now: bool, progress: ProgressFn | None = None,
+                 fault: FaultFn | None = None):
     """Start the job's streaming query; returns ``(query, report)``."""
     landing = settings.landing_dir(job.source.name)
     fs = HadoopFS(spark)
@@ -140,7 +153,7 @@ def start_stream(spark, settings: Settings, job: WindowedJob, *, available_now: 
     writer = (
         raw.writeStream.queryName(job.name)
         .option("checkpointLocation", checkpoint)
-        .foreachBatch(BatchHandler(job, checkpoint, progress, report))
+        .foreachBatch(BatchHandler(job, checkpoint, progress, report, fault))
     )
     if available_now:
         writer = writer.trigger(availableNow=True)
@@ -168,9 +181,10 @@ def run_stream(
     progress: ProgressFn | None = print_progress,
     stop_event: threading.Event | None = None,
     install_signal_handlers: bool = True,
+    fault: FaultFn | None = None,
 ) -> StreamReport:
     """Run until the input is consumed (available-now) or until stopped (SIGINT/SIGTERM/``stop_event``)."""
-    query, report = start_stream(spark, settings, job, available_now=available_now, progress=progress)
+    query, report = start_stream(spark, settings, job, available_now=available_now, progress=progress, fault=fault)
     stop = stop_event or threading.Event()
     previous = {}
     if install_signal_handlers and threading.current_thread() is threading.main_thread():

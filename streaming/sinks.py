@@ -46,9 +46,14 @@ def is_committed(spark, table: IcebergTable, commit_id: str) -> bool:
     return bool(found)
 
 
-def append_once(frame: DataFrame, table: IcebergTable, commit_id: str, properties: Mapping[str, str] = {}) -> bool:
-    """Append ``frame`` unless a snapshot with ``commit_id`` exists. True when it wrote."""
-    if is_committed(frame.sparkSession, table, commit_id):
+def append_once(
+    frame: DataFrame, table: IcebergTable, commit_id: str, properties: Mapping[str, str] = {}, *, may_exist: bool = True
+) -> bool:
+    """Append ``frame`` unless a snapshot with ``commit_id`` exists. True when it wrote.
+
+    ``may_exist=False`` skips the search when the caller knows the commit cannot exist yet.
+    """
+    if may_exist and is_committed(frame.sparkSession, table, commit_id):
         return False
     writer = frame.writeTo(table.name).option(f"snapshot-property.{COMMIT_KEY}", commit_id)
     for key, value in properties.items():

@@ -5,8 +5,11 @@ Layout, one set per micro-batch ``N`` (the two latest are kept)::
     lakestream/batches/N.json      batch record: watermark in/out, statistics, state schemas
     lakestream/windows/N/          open windows (partial aggregates) after batch N, Parquet
     lakestream/seen/N/             dedup keys still remembered after batch N, Parquet
+    lakestream/intents/N           written before batch N's first table commit
 
-The JSON record is written last: it marks batch N's state complete. Batch N always starts from
+The JSON record is written last: it marks batch N's state complete. The intent marker tells a
+replay whether batch N may already have committed to some table (only then are the tables'
+snapshot logs searched for the batch's commit id). Batch N always starts from
 the newest record *below* N, so replaying a batch after a crash recomputes exactly the same
 outputs (Spark replays the same input files), which is what makes the sinks exactly-once.
 """
@@ -95,6 +98,12 @@ class EngineState:
         )
         return LoadedState(record, windows, seen)
 
+    def has_intent(self, batch_id: int) -> bool:
+        return self._fs.exists(f"{self.root}/intents/{batch_id}")
+
+    def mark_intent(self, batch_id: int) -> None:
+        self._fs.write_text(f"{self.root}/intents/{batch_id}", "")
+
     def save(
         self,
         batch_id: int,
@@ -119,3 +128,4 @@ class EngineState:
             for part in ("windows", "seen"):
                 self._fs.delete(f"{self.root}/{part}/{old}")
             self._fs.delete(f"{self.root}/batches/{old}.json")
+            self._fs.delete(f"{self.root}/intents/{old}")

@@ -184,6 +184,38 @@ def test_restart_continues_where_it_left_off_without_duplicate_windows(spark, la
     assert sorted(r.event_id for r in late) == sorted(truth.late_ids)
 
 
+class Crash(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "point",
+    ["committed:lake.payments.purchase_metrics", "committed:lake.payments.purchase_metrics_late", "before-state"],
+)
+def test_a_batch_that_fails_between_commits_is_replayed_exactly_once(spark, small_landing, point):
+    """Crash after some tables of a batch committed; the restart replays it without duplicates."""
+    settings = small_landing.with_job(JOB, max_files_per_trigger=1)
+    job = get_job(JOB, settings)
+    hits = []
+
+    def crash(at: str, batch_id: int) -> None:
+        if at == point and not hits and batch_id >= 6:  # after a window closed and a late event came
+            hits.append(batch_id)
+            raise Crash(f"injected crash at {at} in batch {batch_id}")
+
+    with pytest.raises(Exception, match="injected crash"):
+        run_stream(spark, settings, job, available_now=True, progress=None, fault=crash)
+    assert hits
+    run_stream(spark, settings, job, available_now=True, progress=None)
+
+    truth = oracle.replay_stream(one_file_per_batch(Path(settings.landing_dir("payments"))))
+    assert table_windows(spark) == truth.closed  # fails on any duplicate window
+    late = spark.sql("SELECT event_id FROM lake.payments.purchase_metrics_late").collect()
+    assert sorted(r.event_id for r in late) == sorted(truth.late_ids)
+    quarantined = spark.sql("SELECT sum(occurrences) AS n FROM lake.quarantine.payments").first().n
+    assert quarantined == truth.invalid_lines
+
+
 def test_transform_runs_unchanged_on_a_streaming_frame(spark, small_landing):
     from pyspark.sql import functions as F
 
