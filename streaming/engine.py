@@ -2,7 +2,7 @@
 
 The same code serves the stream (inside ``foreachBatch``, with state carried between batches)
 and the bounded twin (one call, empty state, perfect watermark). It only builds DataFrames and
-runs one small action (the batch statistics); the runners do the I/O.
+runs the small actions of the batch statistics (and of duplicate detection); the runners do the I/O.
 
 Per batch, with ``W_in`` the watermark at the start of the batch (see ``declaration``):
 
@@ -10,8 +10,9 @@ Per batch, with ``W_in`` the watermark at the start of the batch (see ``declarat
 2. drop duplicate deliveries (``dedup_key``) within the batch and against the keys seen in
    earlier batches (kept until ``max(event_time, W_in) + dedup_ttl <= W``);
 3. assign windows; an event whose window satisfies ``end + allowed_lateness <= W_in`` is late and
-   goes to the late side output; the rest are transformed and pre-aggregated per key and window;
-4. merge the partial aggregates into the open windows kept from earlier batches;
+   goes to the late side output; the rest are transformed;
+4. aggregate them per key and window together with the open windows kept from earlier batches
+   (one aggregation, partial aggregates combined map-side);
 5. ``W_out = max(W_in, max event time of the batch - out_of_orderness)`` (bounded: +infinity);
    windows with ``end <= W_out`` fire; a window is kept in state until ``end + allowed_lateness > W_out``.
 """
@@ -101,7 +102,7 @@ class BatchPlan:
     watermark_in_ms: int
     bounded: bool
     parsed: DataFrame
-    events: DataFrame  # valid, deduplicated, with event_time_ms and window columns
+    events: DataFrame  # valid, with event_time_ms and window columns; deduplicated by stats()
     open_windows: DataFrame | None
     seen_keys: DataFrame | None
     event_range_ms: tuple[int, int] | None = None
@@ -131,6 +132,7 @@ class BatchPlan:
 
     def late(self) -> DataFrame:
         """Late side output: the original event, the window it missed, the watermark and by how much."""
+        self.stats()
         fields = list(self.job.source.field_names)
         return self.events.where(self._late_condition()).select(
             *fields,
@@ -141,8 +143,10 @@ class BatchPlan:
             (F.lit(self.watermark_in_ms) - F.col("event_time_ms")).cast("long").alias("late_by_ms"),
         )
 
-    def _partials(self) -> DataFrame:
+    def _measures(self) -> tuple[DataFrame, dict[str, T.DataType]]:
+        """One row per on-time event: keys, window and each aggregate's input value (already typed)."""
         job = self.job
+        self.stats()
         measured = job.transform(self.events.where(~self._late_condition()))
         missing = [c for c in (*job.keys, job.source.event_time) if c not in measured.columns]
         if missing:
@@ -153,12 +157,14 @@ class BatchPlan:
             )
         windowed = assign_windows(measured, job, job.source.event_time)
         types = {a.name: _agg_type(a, measured.schema) for a in job.aggregates}
-        return windowed.groupBy(*job.keys, WS, WE).agg(
-            *[_agg_expr(a, a.column).cast(types[a.name]).alias(a.name) for a in job.aggregates]
-        ), types
+        values = [
+            (F.lit(1) if a.kind == "count" and a.column == "*" else F.col(a.column)).cast(types[a.name]).alias(a.name)
+            for a in job.aggregates
+        ]
+        return windowed.select(*job.keys, WS, WE, *values), types
 
     def stats(self) -> BatchStats:
-        """Run the batch's one statistics action (it also fills the cache used by the writes)."""
+        """Run the batch's statistics actions (they also fill the cache used by the writes)."""
         if self._stats is None:
             self._cache(self.parsed)
             valid = F.col("_reason").isNull()
@@ -171,7 +177,7 @@ class BatchPlan:
                 F.count(F.when(valid, 1)).alias("valid"),
                 F.max(F.when(valid, t_ms)).alias("max_t"),
             ).first()
-            self._cache(self.events)
+            self.events = self._deduplicate(self.events)
             ev = self.events.agg(
                 F.count(F.lit(1)).alias("events"), F.count(F.when(self._late_condition(), 1)).alias("late")
             ).first()
@@ -187,6 +193,30 @@ class BatchPlan:
             )
         return self._stats
 
+    def _deduplicate(self, valid: DataFrame) -> DataFrame:
+        """Drop repeated deliveries: within the batch, and of keys remembered from earlier batches.
+
+        ``dropDuplicates`` over the whole batch would shuffle every row (and aggregate strings by
+        sorting). Duplicates are rare, so only 64-bit hashes of the key are counted (hash
+        aggregation, combined map-side); rows whose hash occurs once pass untouched, and only the
+        few rows with a repeated hash (true duplicates, or a hash collision) are deduplicated exactly.
+        """
+        key = self.job.source.dedup_key
+        hashed = valid.withColumn("_h", F.xxhash64(F.col(key)))
+        repeated = self._cache(
+            hashed.groupBy("_h").agg(F.count(F.lit(1)).alias("_n")).where(F.col("_n") > 1).select("_h")
+        )
+        n_repeated = repeated.count()
+        if n_repeated:
+            small = F.broadcast(repeated) if n_repeated <= 2_000_000 else repeated
+            once = hashed.join(small, "_h", "left_anti")
+            again = hashed.join(small, "_h", "left_semi").dropDuplicates([key])
+            hashed = once.unionByName(again)
+        events = hashed.drop("_h")
+        if self.seen_keys is not None:
+            events = events.join(self.seen_keys.select(key), on=key, how="left_anti")
+        return events
+
     def next_watermark(self) -> int:
         if self.bounded:
             return POS_INF_MS
@@ -198,13 +228,14 @@ class BatchPlan:
     def finish(self, watermark_out_ms: int) -> "BatchOutputs":
         """Merge into the open windows and split what fires from what stays in state."""
         job = self.job
-        partials, types = self._partials()
-        partials = partials.withColumn("_emitted", F.lit(False)).withColumn("_changed", F.lit(True))
+        rows, types = self._measures()
+        rows = rows.withColumn("_emitted", F.lit(False)).withColumn("_changed", F.lit(True))
         if self.open_windows is not None:
             previous = self.open_windows.withColumn("_changed", F.lit(False))
-            partials = previous.unionByName(partials)
+            rows = previous.unionByName(rows)
+        # One aggregation merges this batch's events into the open windows (partial sums map-side).
         merge_kind = {"count": "sum"}
-        merged = partials.groupBy(*job.keys, WS, WE).agg(
+        merged = rows.groupBy(*job.keys, WS, WE).agg(
             *[
                 _agg_expr(Agg(merge_kind.get(a.kind, a.kind), a.name), a.name).cast(types[a.name]).alias(a.name)
                 for a in job.aggregates
@@ -266,15 +297,18 @@ def plan_batch(
 ) -> BatchPlan:
     """Build the batch's frames from raw lines (``value``, ``source_file``)."""
     parsed = parse(raw, job.source)
-    key = job.source.dedup_key
+    # Only quarantined and late rows report their file. Dropping it elsewhere keeps the batch's
+    # cache small: an uncompressed path string per event costs more than all its fields together.
+    # (An event is late only if its window ended before W_in, so its event time is before W_in.)
+    needs_file = F.col("_reason").isNotNull()
+    if not bounded:
+        needs_file = needs_file | (F.unix_millis(F.col(job.source.event_time)) < F.lit(watermark_in_ms))
+    parsed = parsed.withColumn("source_file", F.when(needs_file, F.col("source_file")))
     events = parsed.where(F.col("_reason").isNull()).drop("_raw", "_reason")
     events = events.withColumn("event_time_ms", F.unix_millis(F.col(job.source.event_time)))
     if event_range_ms is not None:
         lo, hi = event_range_ms
         events = events.where((F.col("event_time_ms") >= lo) & (F.col("event_time_ms") < hi))
-    events = events.dropDuplicates([key])
-    if seen_keys is not None:
-        events = events.join(seen_keys.select(key), on=key, how="left_anti")
     events = assign_windows(events, job, job.source.event_time)
     return BatchPlan(
         job=job,

@@ -58,6 +58,12 @@ class StreamReport:
     stats: BatchStats = field(default_factory=BatchStats)
     totals: BatchStats | None = None  # cumulative over the checkpoint's life
     query_id: str | None = None
+    step_seconds: dict[str, float] = field(default_factory=dict)  # where the batches' time went
+
+    def timed(self, step: str, started: float) -> float:
+        now = time.perf_counter()
+        self.step_seconds[step] = self.step_seconds.get(step, 0.0) + now - started
+        return now
 
 
 class BatchHandler:
@@ -85,6 +91,8 @@ class BatchHandler:
 
     def __call__(self, raw: DataFrame, batch_id: int) -> None:
         spark = raw.sparkSession
+        t = time.perf_counter()
+        timed = self.report.timed
         # foreachBatch runs in the stream's session clone, where Spark turns AQE off for the sake of
         # stateful operators. Our batch plans keep no Spark state, so adaptive execution is safe here.
         spark.conf.set("spark.sql.adaptive.enabled", "true")
@@ -100,29 +108,36 @@ class BatchHandler:
         plan = plan_batch(
             job, raw, watermark_in_ms=watermark_in, open_windows=loaded.open_windows, seen_keys=loaded.seen_keys
         )
+        t = timed("load state", t)
         try:
             stats = plan.stats()
+            t = timed("parse + stats", t)
             watermark_out = plan.next_watermark()
             out = plan.finish(watermark_out)
             commit = f"{self.query_id(spark)}:{batch_id}"
             props = {"lakestream.job": job.name, "lakestream.watermark-ms": str(watermark_out)}
             replay = state.has_intent(batch_id)
             emitted = out.emitted.count()
+            t = timed("aggregate windows", t)
             if stats.quarantined or stats.late or emitted:
                 state.mark_intent(batch_id)
             if stats.quarantined:  # a stream reads each file once: an idempotent append suffices
                 sinks.append_once(plan.quarantine(), job.quarantine, commit, props, may_exist=replay)
                 self._fault(f"committed:{job.quarantine.name}", batch_id)
+                t = timed("commit quarantine", t)
             if stats.late:
                 sinks.append_once(plan.late(), job.late_sink, commit, props, may_exist=replay)
                 self._fault(f"committed:{job.late_sink.name}", batch_id)
+                t = timed("commit late", t)
             if emitted:
                 sinks.append_once(out.emitted, job.sink, commit, props, may_exist=replay)
                 self._fault(f"committed:{job.sink.name}", batch_id)
+                t = timed("commit windows", t)
             self._fault("before-state", batch_id)
             stats = BatchStats(**{**stats.__dict__, "windows_written": emitted, "watermark_out_ms": watermark_out})
             totals = loaded.record.totals.plus(stats) if loaded.record else stats
             state.save(batch_id, stats, totals, out.open_windows, out.seen_keys, job.fingerprint())
+            t = timed("save state", t)
         finally:
             plan.release()
         self.report.batches += 1
