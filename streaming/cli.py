@@ -132,6 +132,24 @@ def cmd_backfill(args) -> int:
     return 0
 
 
+def cmd_checkpoint_inspect(args) -> int:
+    from .checkpoint import Thresholds, describe, inspect_checkpoint
+    from .jobs import get_job
+
+    settings = _settings(args)
+    job = get_job(args.job, settings)
+    limits = Thresholds(trigger_interval_s=settings.job(job.name).trigger_interval.total_seconds())
+    if args.stall_factor is not None:
+        if args.stall_factor <= 0:
+            raise LakestreamError(f"--stall-factor must be positive, got {args.stall_factor}")
+        limits.stall_factor = args.stall_factor
+    report = inspect_checkpoint(
+        job.name, settings.checkpoint_dir(job.name), settings.landing_dir(job.source.name), limits
+    )
+    print(report.to_json() if args.json else describe(report))
+    return 1 if report.health.status == "error" else 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -177,6 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--start", required=True, help="inclusive, e.g. 2026-11-20 or 2026-11-20T13:00Z")
     bf.add_argument("--end", required=True, help="exclusive")
     bf.set_defaults(fn=cmd_backfill)
+
+    cp = sub.add_parser("checkpoint", help="look into a job's streaming checkpoint")
+    cp_sub = cp.add_subparsers(dest="checkpoint_command", required=True, parser_class=_Parser)
+    inspect = cp_sub.add_parser(
+        "inspect",
+        help="batches, source files, state, watermark and health, read without Spark "
+        "(exit 1 when the health is error: stalled or corrupt)",
+    )
+    inspect.add_argument("job")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.add_argument("--stall-factor", type=float, help="stalled after this many trigger intervals without a commit while input waits (default 5)")
+    inspect.set_defaults(fn=cmd_checkpoint_inspect)
 
     demo = sub.add_parser("demo", help="generate an hour of events, stream it, backfill it, print a summary")
     _add_generator_options(demo)

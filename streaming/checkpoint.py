@@ -1,0 +1,390 @@
+"""Read a job's Spark checkpoint in pure Python (no JVM): fast enough for a sensor every 30 s.
+
+What Spark keeps in a streaming checkpoint folder, and what is read from it:
+
+    metadata               {"id": <query id>}
+    offsets/N              "v1", batch metadata (watermark, timestamp, conf), one offset per source
+                           -> batch N is *planned* (its input is fixed)
+    commits/N              "v1", {"nextBatchWatermarkMs": ...}  -> batch N is *committed*
+    sources/<i>/N[.compact] file source log: one JSON line per input file, with its batchId
+    state/<op>/<part>/...  state store versions of Spark's stateful operators
+    lakestream/            the engine's own state (batch records with the event-time watermark)
+
+Nothing here raises on a damaged checkpoint: unreadable files are listed in ``problems`` and make
+the health ``error`` (``corrupt``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+_BATCH_FILE = re.compile(r"^(\d+)$")
+_SOURCE_LOG = re.compile(r"^(\d+)(\.compact)?$")
+_STATE_VERSION = re.compile(r"^(\d+)\.(delta|snapshot|zip|changelog)$")
+_NEG_INF_MS = -(2**62)
+_POS_INF_MS = 2**62
+
+
+@dataclass
+class Thresholds:
+    """When the derived health flags turn on."""
+
+    trigger_interval_s: float = 10.0
+    stall_factor: float = 5.0  # stalled: no commit for stall_factor x trigger interval while input waits
+    state_growth_ratio: float = 1.5  # state growth: latest engine state > ratio x the previous batch's ...
+    state_growth_min_bytes: int = 1 << 20  # ... and bigger than this
+
+
+@dataclass
+class StateOperator:
+    operator: str
+    partitions: int
+    latest_version: int | None
+    bytes: int
+
+
+@dataclass
+class Health:
+    status: str = "healthy"  # healthy | warning | error
+    stalled: bool = False
+    in_flight: bool = False
+    backlog_growing: bool = False
+    state_growth: bool = False
+    corrupt: bool = False
+    messages: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CheckpointReport:
+    job: str
+    path: str
+    exists: bool
+    inspected_at_ms: int
+    query_id: str | None = None
+    last_planned_batch: int | None = None
+    last_committed_batch: int | None = None
+    last_commit_ms: int | None = None
+    in_flight_batch: int | None = None
+    files_consumed: int = 0
+    files_in_flight: int = 0
+    files_waiting: int = 0
+    bytes_waiting: int = 0
+    oldest_waiting_ms: int | None = None
+    shuffle_partitions: int | None = None
+    watermark_ms: int | None = None  # the engine's event-time watermark after the last committed batch
+    state_operators: list[StateOperator] = field(default_factory=list)
+    state_bytes: int = 0  # Spark state stores + the engine's state, on disk
+    engine_state_bytes: dict[int, int] = field(default_factory=dict)  # batch id -> bytes
+    problems: list[str] = field(default_factory=list)
+    health: Health = field(default_factory=Health)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+
+def _local(path_or_uri: str) -> Path:
+    if "://" in path_or_uri or path_or_uri.startswith("file:"):
+        parsed = urlparse(path_or_uri)
+        if parsed.scheme not in ("file", ""):
+            raise ValueError(f"{path_or_uri}: only local checkpoints can be inspected without Spark")
+        return Path(unquote(parsed.path))
+    return Path(path_or_uri)
+
+
+def _numbered(folder: Path, pattern: re.Pattern = _BATCH_FILE) -> list[int]:
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for name in os.listdir(folder) if (m := pattern.match(name)))
+
+
+def _log_entry(path: Path, rel: str, problems: list[str]) -> list[str] | None:
+    """The lines of a Spark metadata-log file after its version line, or None (and a problem)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        problems.append(f"{rel} is unreadable: {exc.strerror}")
+        return None
+    lines = text.split("\n")
+    if not lines or not re.fullmatch(r"v\d+", lines[0].strip()):
+        problems.append(f"{rel} is corrupt: no version line (got {text[:30]!r})")
+        return None
+    return [line for line in lines[1:] if line.strip()]
+
+
+def _json(line: str, rel: str, problems: list[str]):
+    try:
+        return json.loads(line)
+    except ValueError:
+        problems.append(f"{rel} is corrupt: invalid JSON {line[:40]!r}")
+        return None
+
+
+def _tree_bytes(folder: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def _landing_files(landing: Path) -> dict[str, tuple[int, int]]:
+    """Visible files of the landing folder: path -> (bytes, mtime ms)."""
+    found = {}
+    if landing.is_dir():
+        for entry in os.scandir(landing):
+            if entry.is_file() and not entry.name.startswith((".", "_")):
+                st = entry.stat()
+                found[os.path.realpath(entry.path)] = (st.st_size, st.st_mtime_ns // 1_000_000)
+    return found
+
+
+def inspect_checkpoint(
+    job: str,
+    checkpoint: str,
+    landing: str | None = None,
+    thresholds: Thresholds | None = None,
+    now_ms: int | None = None,
+) -> CheckpointReport:
+    """Inspect ``checkpoint`` (and the job's ``landing`` folder, for the backlog). Never raises on bad files."""
+    limits = thresholds or Thresholds()
+    now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
+    try:
+        root = _local(checkpoint)
+    except ValueError as exc:
+        report = CheckpointReport(job=job, path=checkpoint, exists=False, inspected_at_ms=now, problems=[str(exc)])
+        report.health = Health(status="error", corrupt=True, messages=[str(exc)])
+        return report
+    report = CheckpointReport(job=job, path=str(root), exists=root.is_dir(), inspected_at_ms=now)
+    problems = report.problems
+    if report.exists:
+        _read_metadata(root, report)
+        _read_offsets_and_commits(root, report)
+        consumed, in_flight = _read_source_log(root, report)
+        _read_state(root, report)
+        _read_engine_state(root, report)
+    else:
+        consumed, in_flight = set(), set()
+    if landing is not None:
+        try:
+            waiting = {p: v for p, v in _landing_files(_local(landing)).items() if p not in consumed}
+        except ValueError as exc:
+            problems.append(str(exc))
+            waiting = {}
+        report.files_consumed = len(consumed)
+        report.files_in_flight = len([p for p in waiting if p in in_flight])
+        waiting = {p: v for p, v in waiting.items() if p not in in_flight}
+        report.files_waiting = len(waiting)
+        report.bytes_waiting = sum(size for size, _ in waiting.values())
+        report.oldest_waiting_ms = min((mtime for _, mtime in waiting.values()), default=None)
+    report.health = _health(report, limits, root)
+    return report
+
+
+def _read_metadata(root: Path, report: CheckpointReport) -> None:
+    path = root / "metadata"
+    if not path.exists():
+        report.problems.append("metadata is missing (the query never started, or the folder is damaged)")
+        return
+    try:
+        report.query_id = json.loads(path.read_text().splitlines()[0])["id"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        report.problems.append("metadata is corrupt: no query id")
+
+
+def _read_offsets_and_commits(root: Path, report: CheckpointReport) -> None:
+    planned = _numbered(root / "offsets")
+    committed = _numbered(root / "commits")
+    if planned:
+        n = planned[-1]
+        report.last_planned_batch = n
+        lines = _log_entry(root / "offsets" / str(n), f"offsets/{n}", report.problems)
+        if lines:
+            meta = _json(lines[0], f"offsets/{n}", report.problems)
+            if isinstance(meta, dict):
+                partitions = meta.get("conf", {}).get("spark.sql.shuffle.partitions")
+                report.shuffle_partitions = int(partitions) if str(partitions).isdigit() else None
+            elif meta is not None:
+                report.problems.append(f"offsets/{n} is corrupt: batch metadata is not an object")
+    if committed:
+        n = committed[-1]
+        report.last_committed_batch = n
+        path = root / "commits" / str(n)
+        lines = _log_entry(path, f"commits/{n}", report.problems)
+        if lines is not None:
+            if not lines:
+                report.problems.append(f"commits/{n} is corrupt: empty")
+            else:
+                _json(lines[0], f"commits/{n}", report.problems)
+            report.last_commit_ms = path.stat().st_mtime_ns // 1_000_000
+    if report.last_planned_batch is not None and (
+        report.last_committed_batch is None or report.last_planned_batch > report.last_committed_batch
+    ):
+        report.in_flight_batch = report.last_planned_batch
+    if (
+        report.last_committed_batch is not None
+        and report.last_planned_batch is not None
+        and report.last_committed_batch > report.last_planned_batch
+    ):
+        report.problems.append(
+            f"commits/{report.last_committed_batch} has no offsets entry (last planned batch is "
+            f"{report.last_planned_batch}): the offset log was damaged"
+        )
+
+
+def _read_source_log(root: Path, report: CheckpointReport) -> tuple[set[str], set[str]]:
+    """(files of committed batches, files of batches not yet committed), as real local paths."""
+    consumed: set[str] = set()
+    pending: set[str] = set()
+    sources = root / "sources"
+    if not sources.is_dir():
+        return consumed, pending
+    committed = report.last_committed_batch if report.last_committed_batch is not None else -1
+    for source in sorted(os.listdir(sources)):
+        folder = sources / source
+        names = {int(m.group(1)): m.group(0) for n in os.listdir(folder) if (m := _SOURCE_LOG.match(n))}
+        compacts = [b for b, name in names.items() if name.endswith(".compact")]
+        start = max(compacts) if compacts else min(names, default=0)
+        for batch in sorted(b for b in names if b >= start):
+            rel = f"sources/{source}/{names[batch]}"
+            lines = _log_entry(folder / names[batch], rel, report.problems)
+            for line in lines or []:
+                entry = _json(line, rel, report.problems)
+                if not isinstance(entry, dict) or "path" not in entry:
+                    break
+                path = os.path.realpath(_local(entry["path"]))
+                (consumed if entry.get("batchId", batch) <= committed else pending).add(path)
+    return consumed, pending - consumed
+
+
+def _read_state(root: Path, report: CheckpointReport) -> None:
+    state = root / "state"
+    if not state.is_dir():
+        return
+    for operator in sorted(os.listdir(state)):
+        folder = state / operator
+        if not folder.is_dir():
+            continue
+        partitions = [p for p in os.listdir(folder) if p.isdigit()]
+        versions = [v for p in partitions for v in _numbered(folder / p, _STATE_VERSION)]
+        size = _tree_bytes(folder)
+        report.state_operators.append(StateOperator(operator, len(partitions), max(versions, default=None), size))
+        report.state_bytes += size
+
+
+def _read_engine_state(root: Path, report: CheckpointReport) -> None:
+    engine = root / "lakestream"
+    batches = engine / "batches"
+    if not batches.is_dir():
+        return
+    ids = sorted(int(n[:-5]) for n in os.listdir(batches) if n.endswith(".json") and n[:-5].isdigit())
+    for batch in ids:
+        report.engine_state_bytes[batch] = _tree_bytes(engine / "windows" / str(batch)) + _tree_bytes(
+            engine / "seen" / str(batch)
+        )
+    report.state_bytes += sum(report.engine_state_bytes.get(b, 0) for b in ids[-1:])
+    committed = [b for b in ids if report.last_committed_batch is None or b <= report.last_committed_batch]
+    newest = committed[-1] if committed else (ids[-1] if ids else None)
+    if newest is None:
+        return
+    rel = f"lakestream/batches/{newest}.json"
+    try:
+        record = json.loads((batches / f"{newest}.json").read_text())
+        report.watermark_ms = int(record["stats"]["watermark_out_ms"])
+    except (OSError, ValueError, KeyError, TypeError):
+        report.problems.append(f"{rel} is corrupt: no watermark")
+
+
+def _age(now_ms: int, then_ms: int | None) -> str:
+    if then_ms is None:
+        return "never"
+    seconds = max(0, now_ms - then_ms) / 1000
+    return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}min ago"
+
+
+def _health(report: CheckpointReport, limits: Thresholds, root: Path) -> Health:
+    h = Health()
+    now = report.inspected_at_ms
+    if report.problems:
+        h.corrupt = True
+        h.messages += [f"corrupt: {p}" for p in report.problems]
+    if report.in_flight_batch is not None:
+        h.in_flight = True
+        h.messages.append(f"batch {report.in_flight_batch} is planned but not committed (running, or to be replayed)")
+    if report.files_waiting:
+        since = report.last_commit_ms
+        if since is None and report.exists:
+            try:
+                since = (root / "metadata").stat().st_mtime_ns // 1_000_000
+            except OSError:
+                since = None
+        limit_ms = limits.stall_factor * limits.trigger_interval_s * 1000
+        if since is not None and now - since > limit_ms and (report.oldest_waiting_ms or now) < now - limit_ms:
+            h.stalled = True
+            h.messages.append(
+                f"stalled: last commit {_age(now, report.last_commit_ms)} while {report.files_waiting} file(s) wait "
+                f"(limit {limits.stall_factor:g} x {limits.trigger_interval_s:g}s trigger interval)"
+            )
+        if report.last_commit_ms is not None and report.oldest_waiting_ms is not None:
+            if report.oldest_waiting_ms < report.last_commit_ms - limits.trigger_interval_s * 1000:
+                h.backlog_growing = True
+                h.messages.append(
+                    f"backlog: {report.files_waiting} file(s) ({report.bytes_waiting:,} bytes) wait, the oldest since "
+                    f"{_age(now, report.oldest_waiting_ms)}, though batches committed after it arrived: input arrives "
+                    "faster than the stream consumes it"
+                )
+    sizes = [report.engine_state_bytes[b] for b in sorted(report.engine_state_bytes)]
+    if len(sizes) >= 2 and sizes[-1] > limits.state_growth_min_bytes and sizes[-1] > limits.state_growth_ratio * sizes[-2]:
+        h.state_growth = True
+        h.messages.append(f"state growth: engine state {sizes[-2]:,} -> {sizes[-1]:,} bytes in one batch")
+    h.status = "error" if (h.corrupt or h.stalled) else "warning" if (h.backlog_growing or h.state_growth) else "healthy"
+    if not report.exists:
+        h.messages.append("no checkpoint yet: the job has never run with these settings")
+    return h
+
+
+def describe(report: CheckpointReport) -> str:
+    """A human-readable report (the CLI's default output)."""
+    from .durations import from_epoch_ms, iso_ms
+
+    def when(ms: int | None) -> str:
+        return "-" if ms is None else f"{iso_ms(from_epoch_ms(ms))} ({_age(report.inspected_at_ms, ms)})"
+
+    def watermark(ms: int | None) -> str:
+        if ms is None or ms <= _NEG_INF_MS:
+            return "-inf (no events yet)" if ms is not None else "-"
+        return "+inf (end of input)" if ms >= _POS_INF_MS else iso_ms(from_epoch_ms(ms))
+
+    lines = [
+        f"job              {report.job}",
+        f"checkpoint       {report.path}{'' if report.exists else ' (missing)'}",
+        f"query id         {report.query_id or '-'}",
+        f"last planned     {'-' if report.last_planned_batch is None else report.last_planned_batch}",
+        f"last committed   {'-' if report.last_committed_batch is None else report.last_committed_batch}"
+        f" at {when(report.last_commit_ms)}",
+        f"in flight        {'-' if report.in_flight_batch is None else f'batch {report.in_flight_batch}'}",
+        f"source files     {report.files_consumed} consumed, {report.files_in_flight} in flight, "
+        f"{report.files_waiting} waiting ({report.bytes_waiting:,} bytes)",
+        f"watermark        {watermark(report.watermark_ms)}",
+        f"shuffle parts    {report.shuffle_partitions or '-'}",
+        f"state on disk    {report.state_bytes:,} bytes"
+        + "".join(
+            f"\n  operator {o.operator}: {o.partitions} partitions, version {o.latest_version}, {o.bytes:,} bytes"
+            for o in report.state_operators
+        )
+        + "".join(f"\n  engine state after batch {b}: {n:,} bytes" for b, n in sorted(report.engine_state_bytes.items())),
+        f"health           {report.health.status.upper()}",
+    ]
+    lines += [f"  - {m}" for m in report.health.messages]
+    return "\n".join(lines)

@@ -1,0 +1,180 @@
+"""`lakestream checkpoint inspect` on checkpoints made by real runs: healthy, stalled, mid-batch, damaged.
+
+The expected values come from outside the inspector: the landing folder's files, the stream's own
+report (query id, batches), the oracle's watermark over the same files, and the damage we did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streaming.checkpoint import Thresholds, inspect_checkpoint
+from streaming.jobs import get_job
+from streaming.runner import run_stream
+from tests import oracle
+from tests.conftest import SMALL, settings_for
+
+JOB = "purchase_metrics"
+FILES_PER_BATCH = 4
+MINUTE_MS = 60_000
+
+
+class Crash(Exception):
+    pass
+
+
+def _batches_of(files: list[Path], k: int) -> list[list[str]]:
+    return [[line for p in files[i : i + k] for line in oracle.read_lines(p)] for i in range(0, len(files), k)]
+
+
+@pytest.fixture(scope="module")
+def healthy(spark, tmp_path_factory):
+    """A stream that consumed a landing zone in batches of 4 files; returns (settings, report, files)."""
+    from streaming.generator import generate
+    from tests.conftest import drop_job_tables
+
+    drop_job_tables(spark)
+    settings = settings_for(tmp_path_factory.mktemp("healthy")).with_job(JOB, max_files_per_trigger=FILES_PER_BATCH)
+    generate(SMALL, settings.landing, sources=("payments",))
+    report = run_stream(spark, settings, get_job(JOB, settings), available_now=True, progress=None)
+    files = oracle.files_in_arrival_order(Path(settings.landing_dir("payments")))
+    return settings, report, files
+
+
+def _inspect(settings, **kw):
+    return inspect_checkpoint(JOB, settings.checkpoint_dir(JOB), settings.landing_dir("payments"), **kw)
+
+
+def test_healthy_checkpoint_reports_batches_files_watermark_and_query_id(healthy):
+    settings, stream, files = healthy
+    report = _inspect(settings)
+
+    batches = -(-len(files) // FILES_PER_BATCH)
+    assert stream.batches == batches
+    assert report.query_id == stream.query_id
+    assert report.last_planned_batch == report.last_committed_batch == batches - 1
+    assert report.in_flight_batch is None
+    assert (report.files_consumed, report.files_in_flight, report.files_waiting) == (len(files), 0, 0)
+    assert report.watermark_ms == oracle.replay_stream(_batches_of(files, FILES_PER_BATCH)).watermark_ms
+    assert report.shuffle_partitions == 2
+    assert report.state_bytes > 0 and report.problems == []
+    assert report.health.status == "healthy", report.health.messages
+
+
+def _copy_checkpoint(settings, tmp_path) -> Path:
+    copy = tmp_path / "checkpoint"
+    shutil.copytree(settings.checkpoint_dir(JOB), copy)
+    return copy
+
+
+def test_new_input_without_commits_is_stalled_and_old_waiting_input_is_a_growing_backlog(healthy, tmp_path):
+    settings, _, files = healthy
+    landing = tmp_path / "landing"
+    shutil.copytree(settings.landing_dir("payments"), landing)
+    checkpoint = _copy_checkpoint(settings, tmp_path)
+    # The checkpoint's source log names the original landing files: point it at the copy.
+    for log in (p for p in (checkpoint / "sources" / "0").iterdir() if not p.name.startswith(".")):
+        log.write_text(log.read_text().replace(str(Path(settings.landing_dir("payments")).resolve()), str(landing.resolve())))
+    extra = [landing / "payments-late-arrival-1.jsonl", landing / "payments-late-arrival-2.jsonl"]
+    last_commit = max(p.stat().st_mtime_ns for p in (checkpoint / "commits").iterdir()) // 1_000_000
+    for i, path in enumerate(extra):
+        shutil.copy(files[i], path)
+        arrived = (last_commit + 1000) / 1000
+        os.utime(path, (arrived, arrived))
+    limits = Thresholds(trigger_interval_s=10, stall_factor=5)
+
+    soon = inspect_checkpoint(JOB, str(checkpoint), str(landing), limits, now_ms=last_commit + 20_000)
+    later = inspect_checkpoint(JOB, str(checkpoint), str(landing), limits, now_ms=last_commit + 10 * MINUTE_MS)
+
+    assert soon.files_waiting == later.files_waiting == 2
+    assert later.bytes_waiting == sum(p.stat().st_size for p in extra)
+    assert not soon.health.stalled and soon.health.status == "healthy"
+    assert later.health.stalled and later.health.status == "error"
+    assert any("stalled" in m for m in later.health.messages)
+    assert not later.health.backlog_growing  # the files came after the last commit
+
+    old = (last_commit - 5 * MINUTE_MS) / 1000
+    for path in extra:
+        os.utime(path, (old, old))
+    behind = inspect_checkpoint(JOB, str(checkpoint), str(landing), limits, now_ms=last_commit + 20_000)
+    assert behind.health.backlog_growing and behind.health.status == "warning"
+
+
+def test_a_run_that_died_inside_a_batch_leaves_that_batch_in_flight(spark, lake):
+    from streaming.generator import generate
+
+    settings = lake.with_job(JOB, max_files_per_trigger=FILES_PER_BATCH)
+    generate(SMALL, settings.landing, sources=("payments",))
+
+    def crash(point: str, batch_id: int) -> None:
+        if point == "before-state" and batch_id == 2:
+            raise Crash("killed inside batch 2")
+
+    with pytest.raises(Exception, match="killed inside batch 2"):
+        run_stream(spark, settings, get_job(JOB, settings), available_now=True, progress=None, fault=crash)
+    files = oracle.files_in_arrival_order(Path(settings.landing_dir("payments")))
+
+    report = _inspect(settings)
+
+    assert (report.last_planned_batch, report.last_committed_batch, report.in_flight_batch) == (2, 1, 2)
+    assert report.files_consumed == 2 * FILES_PER_BATCH
+    assert report.files_in_flight == FILES_PER_BATCH
+    assert report.files_waiting == len(files) - 3 * FILES_PER_BATCH
+    assert report.health.in_flight and not report.health.corrupt
+
+
+DAMAGE = {
+    "truncated offset log": ("offsets/{last}", "v1\n{\"batchWaterm"),
+    "commit without version line": ("commits/{last}", "garbage"),
+    "empty commit": ("commits/{last}", ""),
+    "metadata without id": ("metadata", "{}"),
+    "engine record": ("lakestream/batches/{last}.json", "{not json"),
+    "source log line": ("sources/0/{last}", "v1\n{\"path\": \"file:///x\", \"time"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_files_are_reported_as_corrupt_not_raised(healthy, tmp_path, damage):
+    settings, stream, _ = healthy
+    checkpoint = _copy_checkpoint(settings, tmp_path)
+    name, text = DAMAGE[damage]
+    target = checkpoint / name.format(last=stream.batches - 1)
+    assert target.exists()
+    target.write_text(text)
+
+    report = inspect_checkpoint(JOB, str(checkpoint), settings.landing_dir("payments"))
+
+    assert report.health.corrupt and report.health.status == "error"
+    assert any(name.split("/")[0] in p for p in report.problems), report.problems
+
+
+def test_missing_checkpoint_and_deleted_metadata(tmp_path, healthy):
+    report = inspect_checkpoint(JOB, str(tmp_path / "nowhere"), str(tmp_path / "no-landing"))
+    assert not report.exists and report.health.status == "healthy"
+    assert "never run" in " ".join(report.health.messages)
+
+    settings, _, _ = healthy
+    checkpoint = _copy_checkpoint(settings, tmp_path)
+    (checkpoint / "metadata").unlink()
+    assert any("metadata is missing" in p for p in inspect_checkpoint(JOB, str(checkpoint)).problems)
+
+
+def test_cli_prints_json_without_starting_spark(healthy):
+    settings, stream, files = healthy
+    home = str(Path(settings.landing).parent)
+    result = subprocess.run(
+        [sys.executable, "-m", "streaming.cli", "--home", home, "checkpoint", "inspect", JOB, "--json"],
+        capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "LAKESTREAM_CONFIG"},
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["query_id"] == stream.query_id and data["files_consumed"] == len(files)
+    assert "SparkContext" not in result.stderr and "Setting default log level" not in result.stderr
