@@ -6,6 +6,7 @@ Every user error is one line on stderr and exit status 2 (set LAKESTREAM_DEBUG=1
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -97,6 +98,10 @@ def cmd_run(args) -> int:
     settings = _settings(args)
     job, settings = _job(args, settings)
     spark = get_spark(settings)
+    if args.from_savepoint:
+        from .savepoints import Savepoints
+
+        Savepoints(spark, settings).restore(job, args.from_savepoint)
     report = run_stream(spark, settings, job, available_now=args.available_now)
     s = report.stats
     print(
@@ -150,6 +155,40 @@ def cmd_checkpoint_inspect(args) -> int:
     return 1 if report.health.status == "error" else 0
 
 
+def _describe_savepoint(sp) -> str:
+    m = sp.manifest
+    tables = ", ".join(f"{t}@{v if v is not None else 'empty'}" for t, v in m.get("tables", {}).items())
+    return f"{sp.id}  batch {m.get('batch_id')}  {m.get('created')}  code {str(m.get('code_version'))[:10]}  {tables}"
+
+
+def cmd_savepoint(args) -> int:
+    from .jobs import get_job
+    from .savepoints import Savepoints, job_of
+    from .session import get_spark
+
+    settings = _settings(args)
+    action = args.savepoint_command
+    job_name = args.job if action in ("create", "list") else job_of(args.id)
+    job = get_job(job_name, settings)
+    savepoints = Savepoints(get_spark(settings), settings)
+    if action == "create":
+        sp = savepoints.create(job, timeout_s=args.timeout, keep=args.keep)
+        print(f"savepoint {sp.id} of {job.name} at batch {sp.manifest['batch_id']} -> {sp.path}")
+        print(f"resume with: lakestream run {job.name} --from-savepoint {sp.id}")
+    elif action == "list":
+        found = savepoints.list(job.name)
+        for sp in found:
+            print(_describe_savepoint(sp))
+        if not found:
+            print(f"no savepoints of {job.name} in {savepoints.folder(job.name)}")
+    elif action == "show":
+        print(json.dumps(savepoints.get(args.id).manifest, indent=1))
+    elif action == "delete":
+        sp = savepoints.delete(args.id)
+        print(f"deleted savepoint {sp.id}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -188,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--available-now", action="store_true", help="consume what exists, then stop")
     run.add_argument("--trigger-interval", help="micro-batch interval for continuous runs, e.g. 5s")
     run.add_argument("--max-files-per-trigger", type=int)
+    run.add_argument("--from-savepoint", metavar="ID", help="restore the checkpoint and roll the tables back to this savepoint first")
     run.set_defaults(fn=cmd_run)
 
     bf = sub.add_parser("backfill", help="run a job's bounded twin over [start, end) and replace that range")
@@ -207,6 +247,21 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.add_argument("--stall-factor", type=float, help="stalled after this many trigger intervals without a commit while input waits (default 5)")
     inspect.set_defaults(fn=cmd_checkpoint_inspect)
+
+    sp = sub.add_parser("savepoint", help="create, list, show and delete savepoints (stop-with-savepoint)")
+    sp_sub = sp.add_subparsers(dest="savepoint_command", required=True, parser_class=_Parser)
+    create = sp_sub.add_parser("create", help="stop the running job after its batch and save its progress and table versions")
+    create.add_argument("job")
+    create.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the running job to stop")
+    create.add_argument("--keep", type=int, default=5, help="retention: keep the newest N savepoints of the job")
+    create.set_defaults(fn=cmd_savepoint)
+    listing = sp_sub.add_parser("list", help="the job's savepoints, oldest first")
+    listing.add_argument("job")
+    listing.set_defaults(fn=cmd_savepoint)
+    for name, text in (("show", "a savepoint's manifest"), ("delete", "delete a savepoint")):
+        p = sp_sub.add_parser(name, help=text)
+        p.add_argument("id")
+        p.set_defaults(fn=cmd_savepoint)
 
     demo = sub.add_parser("demo", help="generate an hour of events, stream it, backfill it, print a summary")
     _add_generator_options(demo)

@@ -212,13 +212,16 @@ class WindowedJob:
     def late_sink(self) -> IcebergTable:
         return self.sink.side("late")
 
-    def fingerprint(self) -> str:
-        """A stable hash of everything that shapes the job's state (keys, window, aggregates)."""
-        shape = {
+    def shape(self) -> dict:
+        """Everything that shapes the job's state (keys, window, aggregates), as plain data."""
+        return {
             "keys": list(self.keys),
             "window": self.window.describe(),
             "aggregates": [[a.kind, a.column, a.name] for a in self.aggregates],
             "source": self.source.name,
             "dedup_key": self.source.dedup_key,
         }
-        return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+
+    def fingerprint(self) -> str:
+        """A stable hash of :meth:`shape`."""
+        return hashlib.sha256(json.dumps(self.shape(), sort_keys=True).encode()).hexdigest()[:16]

@@ -43,6 +43,14 @@ class CheckpointCorruptError(LakestreamError):
     """A checkpoint folder is unreadable or inconsistent."""
 
 
+class IncompatibleStateError(LakestreamError):
+    """A checkpoint or savepoint was written by a different shape of the job."""
+
+
+class SavepointError(LakestreamError):
+    """A savepoint cannot be created, found or restored."""
+
+
 class SinkCommitError(LakestreamError):
     """A table commit failed; the batch is not acknowledged and will be replayed."""
 

@@ -9,7 +9,9 @@ present. The batch is acknowledged to Spark only after every table and the engin
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +34,51 @@ ProgressFn = Callable[[int, BatchStats], None]
 # Called at named points of a batch ("committed:<table>", "before-state"); tests raise from it to
 # simulate a crash at that point (like bytewax's ABORT() markers).
 FaultFn = Callable[[str, int], None]
+
+
+class StreamControl:
+    """Files beside the engine state that let other processes see and stop a running stream.
+
+    ``running`` (pid, host, query id) exists while a process runs the stream; ``stop-request``
+    asks it to stop after its current batch (stop-with-savepoint uses both).
+    """
+
+    def __init__(self, spark, checkpoint: str):
+        self._fs = HadoopFS(spark)
+        self.running_path = f"{checkpoint}/lakestream/running"
+        self.stop_path = f"{checkpoint}/lakestream/stop-request"
+
+    def mark_running(self, query_id: str | None) -> None:
+        self._fs.delete(self.stop_path)  # a request addressed to an earlier run is void
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "query_id": query_id, "started_ms": int(time.time() * 1000)}
+        self._fs.write_text(self.running_path, json.dumps(info))
+
+    def running(self) -> dict | None:
+        """The running marker, or None. A marker left by a dead process on this host is ignored."""
+        if not self._fs.exists(self.running_path):
+            return None
+        try:
+            info = json.loads(self._fs.read_text(self.running_path))
+        except ValueError:
+            return None
+        if info.get("host") == socket.gethostname():
+            try:
+                os.kill(int(info["pid"]), 0)
+            except (ProcessLookupError, ValueError, KeyError, TypeError):
+                return None
+            except PermissionError:
+                pass
+        return info
+
+    def request_stop(self) -> None:
+        self._fs.write_text(self.stop_path, json.dumps({"requested_ms": int(time.time() * 1000)}))
+
+    def stop_requested(self) -> bool:
+        return self._fs.exists(self.stop_path)
+
+    def clear(self) -> None:
+        self._fs.delete(self.running_path)
+        self._fs.delete(self.stop_path)
 
 
 def describe_watermark(ms: int | None) -> str:
@@ -77,6 +124,17 @@ class BatchHandler:
         self.progress = progress
         self.report = report
         self._query_id: str | None = None
+        self._prefix: str | None = None
+
+    def commit_prefix(self, spark) -> str:
+        """``<query id>``, or ``<query id>:<restore epoch>`` after a savepoint restore, so batches
+        re-run after a restore never match commits that the restore rolled back."""
+        if self._prefix is None:
+            fs = HadoopFS(spark)
+            epoch_path = f"{self.checkpoint}/lakestream/epoch"
+            epoch = fs.read_text(epoch_path).strip() if fs.exists(epoch_path) else ""
+            self._prefix = f"{self.query_id(spark)}:{epoch}" if epoch else self.query_id(spark)
+        return self._prefix
 
     def query_id(self, spark) -> str:
         if self._query_id is None:
@@ -114,7 +172,7 @@ class BatchHandler:
             t = timed("parse + stats", t)
             watermark_out = plan.next_watermark()
             out = plan.finish(watermark_out)
-            commit = f"{self.query_id(spark)}:{batch_id}"
+            commit = f"{self.commit_prefix(spark)}:{batch_id}"
             props = {"lakestream.job": job.name, "lakestream.watermark-ms": str(watermark_out)}
             replay = state.has_intent(batch_id)
             emitted = out.emitted.count()
@@ -136,7 +194,7 @@ class BatchHandler:
             self._fault("before-state", batch_id)
             stats = BatchStats(**{**stats.__dict__, "windows_written": emitted, "watermark_out_ms": watermark_out})
             totals = loaded.record.totals.plus(stats) if loaded.record else stats
-            state.save(batch_id, stats, totals, out.open_windows, out.seen_keys, job.fingerprint())
+            state.save(batch_id, stats, totals, out.open_windows, out.seen_keys, job.fingerprint(), job.shape())
             t = timed("save state", t)
         finally:
             plan.release()
@@ -157,13 +215,17 @@ def start_stream(spark, settings: Settings, job: WindowedJob, *, available_now: 
             fs.mkdirs(landing)
         else:
             raise ConfigError(f"landing folder {landing} does not exist; create it or fix 'landing' in the settings")
+    checkpoint = settings.checkpoint_dir(job.name)
+    if fs.exists(f"{checkpoint}/metadata"):
+        from .compat import check_resume
+
+        check_resume(spark, job, checkpoint, int(spark.conf.get("spark.sql.shuffle.partitions")))
     ensure_job_tables(spark, job)
     overrides = settings.job(job.name)
     reader = spark.readStream.format("text")
     if overrides.max_files_per_trigger:
         reader = reader.option("maxFilesPerTrigger", overrides.max_files_per_trigger)
     raw = reader.load(landing).select("value", F.col("_metadata.file_path").alias("source_file"))
-    checkpoint = settings.checkpoint_dir(job.name)
     report = StreamReport(job=job.name)
     writer = (
         raw.writeStream.queryName(job.name)
@@ -200,6 +262,8 @@ def run_stream(
 ) -> StreamReport:
     """Run until the input is consumed (available-now) or until stopped (SIGINT/SIGTERM/``stop_event``)."""
     query, report = start_stream(spark, settings, job, available_now=available_now, progress=progress, fault=fault)
+    control = StreamControl(spark, settings.checkpoint_dir(job.name))
+    control.mark_running(report.query_id)
     stop = stop_event or threading.Event()
     previous = {}
     if install_signal_handlers and threading.current_thread() is threading.main_thread():
@@ -212,8 +276,10 @@ def run_stream(
                 f"{format_duration(settings.job(job.name).trigger_interval)}; Ctrl-C stops after the current batch",
                 flush=True,
             )
+        polls = 0
         while query.isActive:
-            if stop.is_set():
+            polls += 1
+            if stop.is_set() or (polls % 4 == 0 and control.stop_requested()):
                 stop_gracefully(query)
                 break
             query.awaitTermination(0.5)
@@ -224,6 +290,7 @@ def run_stream(
             stop_gracefully(query)
         raise
     finally:
+        control.clear()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return report

@@ -40,8 +40,13 @@ def ensure_table(spark, table: IcebergTable, schema: T.StructType, partition_by:
 
 
 def is_committed(spark, table: IcebergTable, commit_id: str) -> bool:
+    """True if a snapshot in the table's *current* lineage carries ``commit_id``.
+
+    Snapshots that a rollback (savepoint restore) cut off do not count: their batches must be written again.
+    """
     found = spark.sql(
-        f"SELECT 1 FROM {table.name}.snapshots WHERE summary['{COMMIT_KEY}'] = '{commit_id}' LIMIT 1"
+        f"SELECT 1 FROM {table.name}.snapshots s JOIN {table.name}.history h ON s.snapshot_id = h.snapshot_id "
+        f"WHERE h.is_current_ancestor AND s.summary['{COMMIT_KEY}'] = '{commit_id}' LIMIT 1"
     ).collect()
     return bool(found)
 

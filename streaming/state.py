@@ -37,6 +37,7 @@ class BatchRecord:
     windows_schema: str
     seen_schema: str
     job_fingerprint: str
+    job_shape: dict | None = None  # keys, window, aggregates (absent in records of older versions)
 
     @property
     def watermark_ms(self) -> int:
@@ -74,6 +75,7 @@ class EngineState:
                 windows_schema=data["windows_schema"],
                 seen_schema=data["seen_schema"],
                 job_fingerprint=data["job_fingerprint"],
+                job_shape=data.get("job_shape"),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointCorruptError(
@@ -112,6 +114,7 @@ class EngineState:
         open_windows: DataFrame,
         seen_keys: DataFrame,
         fingerprint: str,
+        shape: dict | None = None,
     ) -> None:
         open_windows.write.mode("overwrite").parquet(f"{self.root}/windows/{batch_id}")
         seen_keys.write.mode("overwrite").parquet(f"{self.root}/seen/{batch_id}")
@@ -122,6 +125,7 @@ class EngineState:
             "windows_schema": open_windows.schema.json(),
             "seen_schema": seen_keys.schema.json(),
             "job_fingerprint": fingerprint,
+            "job_shape": shape,
         }
         self._fs.write_text(f"{self.root}/batches/{batch_id}.json", json.dumps(record, indent=1))
         for old in self.batch_ids()[:-KEEP_BATCHES]:

@@ -1,0 +1,72 @@
+"""The compatibility guard: refuse to resume state written by a different shape of a job.
+
+Flink's rule — never change ``keyBy`` (or a window, or an aggregate) under existing state without a
+migration — checked *before* a stream starts, from the checkpoint's newest batch record and its
+offset log (which holds the shuffle partitions the state was partitioned with).
+"""
+
+from __future__ import annotations
+
+import json
+
+from .declaration import WindowedJob
+from .errors import IncompatibleStateError
+from .hadoopfs import HadoopFS
+
+_LABELS = {
+    "keys": "key columns",
+    "window": "window",
+    "aggregates": "aggregates",
+    "source": "source",
+    "dedup_key": "dedup key",
+}
+
+
+def differences(stored_shape: dict | None, stored_partitions: int | None, job: WindowedJob,
+                shuffle_partitions: int | None) -> list[str]:
+    """What changed between the state's job and ``job``, one phrase per change (empty: compatible)."""
+    changes = []
+    current = job.shape()
+    for key, label in _LABELS.items():
+        if stored_shape is not None and key in stored_shape and stored_shape[key] != current[key]:
+            changes.append(f"{label} changed from {stored_shape[key]} to {current[key]}")
+    if stored_partitions is not None and shuffle_partitions is not None and stored_partitions != shuffle_partitions:
+        changes.append(f"shuffle partitions changed from {stored_partitions} to {shuffle_partitions}")
+    return changes
+
+
+def refuse(job: WindowedJob, where: str, changes: list[str], checkpoint: str) -> IncompatibleStateError:
+    return IncompatibleStateError(
+        f"cannot resume {job.name} from {where}: {'; '.join(changes)}. Its state was built for the old shape "
+        f"(as in Flink, key/window/aggregate changes need a state migration): revert the change, or start "
+        f"over from an empty checkpoint (move {checkpoint} away) and backfill the tables"
+    )
+
+
+def stored_shuffle_partitions(fs: HadoopFS, checkpoint: str) -> int | None:
+    """``spark.sql.shuffle.partitions`` recorded in the checkpoint's newest offset-log entry."""
+    batches = sorted(int(n) for n in fs.list_names(f"{checkpoint}/offsets") if n.isdigit())
+    if not batches:
+        return None
+    try:
+        lines = fs.read_text(f"{checkpoint}/offsets/{batches[-1]}").splitlines()
+        value = json.loads(lines[1])["conf"]["spark.sql.shuffle.partitions"]
+        return int(value)
+    except (IndexError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_resume(spark, job: WindowedJob, checkpoint: str, shuffle_partitions: int | None,
+                 where: str | None = None) -> None:
+    """Raise :class:`IncompatibleStateError` if ``checkpoint`` holds state of another shape of ``job``."""
+    from .state import EngineState
+
+    record = EngineState(spark, checkpoint).latest_record()
+    fs = HadoopFS(spark)
+    partitions = stored_shuffle_partitions(fs, checkpoint)
+    shape = record.job_shape if record else None
+    changes = differences(shape, partitions, job, shuffle_partitions)
+    if record is not None and not changes and shape is None and record.job_fingerprint != job.fingerprint():
+        changes = ["keys, window or aggregates changed (the checkpoint predates shape records)"]
+    if changes:
+        raise refuse(job, where or f"checkpoint {checkpoint}", changes, checkpoint)
