@@ -161,7 +161,7 @@ def main() -> int:
     parser.add_argument("--home", default=str(Path(__file__).resolve().parent / "out"))
     parser.add_argument("--rate", type=float, default=150.0, help="payments/s over one hour of event time")
     parser.add_argument("--duration", default=60, type=int, help="minutes of event time")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--files-per-trigger", type=int, default=None, help="default: all files in one batch")
     args = parser.parse_args()
 
