@@ -7,7 +7,7 @@ landing/payments -> lake/payments/purchase_metrics (+ its late side output).
 import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 
-from streaming.declaration import IcebergTable, WindowedJob
+from streaming.declaration import Job, Table
 from streaming.durations import parse_duration
 from streaming.jobs import get_job
 from streaming.runner import describe_watermark, run_stream
@@ -15,7 +15,7 @@ from streaming.runner import describe_watermark, run_stream
 from .resources import LakestreamResource
 
 
-def table_key(table: IcebergTable) -> dg.AssetKey:
+def table_key(table: Table) -> dg.AssetKey:
     return dg.AssetKey(table.name.split("."))
 
 
@@ -42,21 +42,21 @@ class StreamConfig(dg.Config):
     trigger_interval: str = "5s"
 
 
-def stream_assets(job: WindowedJob) -> dg.AssetsDefinition:
+def stream_assets(job: Job) -> dg.AssetsDefinition:
     domain = job.sink.namespace.split(".")[1]
     specs = [
         dg.AssetSpec(
             table_key(job.sink),
-            deps=[landing_key(job.source.name)],
+            deps=[landing_key(s.name) for s in job.sources],
             description=job.description,
             group_name=domain,
             owners=[f"team:{job.owner}"],
             kinds={"iceberg", "spark"},
-            metadata={"window": job.window.describe(), "keys": ", ".join(job.keys), "table": job.sink.name},
+            metadata={"keys": ", ".join(job.keys), "table": job.sink.name},
         ),
         dg.AssetSpec(
             table_key(job.late_sink),
-            deps=[landing_key(job.source.name)],
+            deps=[landing_key(s.name) for s in job.sources],
             description=f"Late side output of {job.name}: events that arrived after their window closed.",
             group_name=domain,
             kinds={"iceberg"},
@@ -75,9 +75,9 @@ def stream_assets(job: WindowedJob) -> dg.AssetsDefinition:
         spark = lakestream.spark(pyspark)
         report = run_stream(
             spark, settings, declared, available_now=config.mode == "available_now",
-            progress=lambda batch_id, s: context.log.info(
-                f"batch {batch_id}: {s.lines} lines, {s.late} late, {s.quarantined} quarantined, "
-                f"{s.windows_written} windows; watermark {describe_watermark(s.watermark_out_ms)}"
+            progress=lambda r: context.log.info(
+                f"batch {r.batch_id}: {r.stats.lines} lines, {r.stats.late} late, {r.stats.quarantined} quarantined, "
+                f"{r.stats.rows_written} rows; watermark {describe_watermark(r.stats.watermark_out_ms)}"
             ),
             install_signal_handlers=False,
         )
@@ -87,7 +87,7 @@ def stream_assets(job: WindowedJob) -> dg.AssetsDefinition:
             asset_key=table_key(job.sink),
             metadata={
                 "batches": report.batches, "lines": s.lines, "events": s.events, "late": s.late,
-                "quarantined": s.quarantined, "windows_written": s.windows_written, "watermark": watermark,
+                "quarantined": s.quarantined, "rows_written": s.rows_written, "watermark": watermark,
             },
         )
         yield dg.MaterializeResult(asset_key=table_key(job.late_sink), metadata={"late_rows_added": s.late})

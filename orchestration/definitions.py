@@ -17,7 +17,7 @@ def build_definitions(settings: Settings | None = None, home: str | None = None)
     settings = settings or lakestream.settings()
     streams = [stream_assets(job) for job in jobs]
     return dg.Definitions(
-        assets=[*landing_specs(sorted({j.source.name for j in jobs})), *streams],
+        assets=[*landing_specs(sorted({s.name for j in jobs for s in j.sources})), *streams],
         jobs=[dg.define_asset_job(f"{a.node_def.name}_stream", selection=dg.AssetSelection.assets(a)) for a in streams],
         resources={"lakestream": lakestream, "pyspark": pyspark_resource(settings)},
     )

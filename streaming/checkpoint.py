@@ -153,11 +153,11 @@ def _landing_files(landing: Path) -> dict[str, tuple[int, int]]:
 def inspect_checkpoint(
     job: str,
     checkpoint: str,
-    landing: str | None = None,
+    landing: str | list[str] | None = None,
     thresholds: Thresholds | None = None,
     now_ms: int | None = None,
 ) -> CheckpointReport:
-    """Inspect ``checkpoint`` (and the job's ``landing`` folder, for the backlog). Never raises on bad files."""
+    """Inspect ``checkpoint`` (and the job's ``landing`` folder(s), for the backlog). Never raises on bad files."""
     limits = thresholds or Thresholds()
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
     try:
@@ -178,7 +178,11 @@ def inspect_checkpoint(
         consumed, in_flight = set(), set()
     if landing is not None:
         try:
-            waiting = {p: v for p, v in _landing_files(_local(landing)).items() if p not in consumed}
+            folders = [landing] if isinstance(landing, str) else landing
+            files: dict[str, tuple[int, int]] = {}
+            for folder in folders:
+                files.update(_landing_files(_local(folder)))
+            waiting = {p: v for p, v in files.items() if p not in consumed}
         except ValueError as exc:
             problems.append(str(exc))
             waiting = {}

@@ -33,7 +33,9 @@ def cmd_jobs(args) -> int:
     from .jobs import registry
 
     for name, job in registry().items():
-        print(f"{name:24} {job.window.describe():22} keys={','.join(job.keys):12} -> {job.sink.name}")
+        what = job.window.describe() if job.kind == "windowed" else f"keyed {job.function.__name__}"
+        sources = ",".join(s.name for s in job.sources)
+        print(f"{name:22} {sources:16} {what:34} keys={','.join(job.keys):10} -> {job.sink.name}")
     return 0
 
 
@@ -106,7 +108,7 @@ def cmd_run(args) -> int:
     s = report.stats
     print(
         f"{job.name}: {report.batches} batch(es): {s.lines:,} lines, {s.events:,} events, {s.late:,} late, "
-        f"{s.quarantined:,} quarantined, {s.windows_written:,} windows written; "
+        f"{s.quarantined:,} quarantined, {s.rows_written:,} rows written to {job.sink.name}; "
         f"watermark {describe_watermark(report.totals.watermark_out_ms if report.totals else None)}"
     )
     return 0
@@ -128,11 +130,12 @@ def cmd_backfill(args) -> int:
     settings = _settings(args)
     job, settings = _job(args, settings)
     start, end = _range(args)
-    report = backfill(get_spark(settings), settings, job, start, end)
+    report = backfill(get_spark(settings), settings, job, start, end, force=args.force)
     s = report.stats
     print(
         f"{job.name}: backfill done in {report.seconds:.1f}s ({report.events_per_second:,.0f} lines/s): "
-        f"{s.events:,} events, {s.quarantined:,} quarantined, {s.windows_written:,} windows in range"
+        f"{s.events:,} events, {s.quarantined:,} quarantined, {s.rows_written:,} rows in range "
+        f"({report.partitions} day partition(s) per table)"
     )
     return 0
 
@@ -149,7 +152,7 @@ def cmd_checkpoint_inspect(args) -> int:
             raise LakestreamError(f"--stall-factor must be positive, got {args.stall_factor}")
         limits.stall_factor = args.stall_factor
     report = inspect_checkpoint(
-        job.name, settings.checkpoint_dir(job.name), settings.landing_dir(job.source.name), limits
+        job.name, settings.checkpoint_dir(job.name), [settings.landing_dir(s.name) for s in job.sources], limits
     )
     print(report.to_json() if args.json else describe(report))
     return 1 if report.health.status == "error" else 0
@@ -234,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("job")
     bf.add_argument("--start", required=True, help="inclusive, e.g. 2026-11-20 or 2026-11-20T13:00Z")
     bf.add_argument("--end", required=True, help="exclusive")
+    bf.add_argument("--force", action="store_true",
+                    help="also replace windows the live stream may still write (past its watermark minus lateness)")
     bf.set_defaults(fn=cmd_backfill)
 
     cp = sub.add_parser("checkpoint", help="look into a job's streaming checkpoint")

@@ -9,33 +9,37 @@ from __future__ import annotations
 
 import json
 
-from .declaration import WindowedJob
+from .declaration import Job
 from .errors import IncompatibleStateError
 from .hadoopfs import HadoopFS
 
 _LABELS = {
+    "kind": "job kind",
     "keys": "key columns",
     "window": "window",
     "aggregates": "aggregates",
+    "function": "keyed function",
+    "state": "state schema",
+    "timers": "timer domain",
     "source": "source",
     "dedup_key": "dedup key",
 }
 
 
-def differences(stored_shape: dict | None, stored_partitions: int | None, job: WindowedJob,
+def differences(stored_shape: dict | None, stored_partitions: int | None, job: Job,
                 shuffle_partitions: int | None) -> list[str]:
     """What changed between the state's job and ``job``, one phrase per change (empty: compatible)."""
     changes = []
     current = job.shape()
     for key, label in _LABELS.items():
-        if stored_shape is not None and key in stored_shape and stored_shape[key] != current[key]:
+        if stored_shape is not None and key in stored_shape and stored_shape[key] != current.get(key):
             changes.append(f"{label} changed from {stored_shape[key]} to {current[key]}")
     if stored_partitions is not None and shuffle_partitions is not None and stored_partitions != shuffle_partitions:
         changes.append(f"shuffle partitions changed from {stored_partitions} to {shuffle_partitions}")
     return changes
 
 
-def refuse(job: WindowedJob, where: str, changes: list[str], checkpoint: str) -> IncompatibleStateError:
+def refuse(job: Job, where: str, changes: list[str], checkpoint: str) -> IncompatibleStateError:
     return IncompatibleStateError(
         f"cannot resume {job.name} from {where}: {'; '.join(changes)}. Its state was built for the old shape "
         f"(as in Flink, key/window/aggregate changes need a state migration): revert the change, or start "
@@ -56,7 +60,7 @@ def stored_shuffle_partitions(fs: HadoopFS, checkpoint: str) -> int | None:
         return None
 
 
-def check_resume(spark, job: WindowedJob, checkpoint: str, shuffle_partitions: int | None,
+def check_resume(spark, job: Job, checkpoint: str, shuffle_partitions: int | None,
                  where: str | None = None) -> None:
     """Raise :class:`IncompatibleStateError` if ``checkpoint`` holds state of another shape of ``job``."""
     from .state import EngineState

@@ -2,15 +2,18 @@
 
 Time semantics (the same in stream and in batch):
 
-* **Windows** are half-open ``[start, end)`` in event time, aligned to the epoch (UTC).
-  An event at exactly ``end`` belongs to the next window.
+* **Windows** are half-open ``[start, end)`` in event time (see ``windows``).
 * **Watermark** (bounded out-of-orderness ``d``): after a micro-batch, the watermark is
   ``W = max(W_previous, max event time seen so far - d)``. It only moves forward, once per
   micro-batch (Spark's granularity), and is stored with the batch so a replay sees the same value.
-* A window **fires** (its row is written to the sink) as soon as ``W >= end``.
-* An event is **late** for a window when ``end + allowed_lateness <= W`` at the start of the
-  micro-batch that delivered it. Late events are never dropped silently: they go to the job's late
-  side output (``<table>_late``) with ``window_start``, ``window_end``, ``watermark_ms`` and
+* A window **fires** (its row is written to the sink) as soon as ``W >= end``. With an
+  **allowed lateness** ``L`` the window stays in state until ``W >= end + L``; an event for it
+  that arrives meanwhile updates it and the sink row is **corrected** (an upsert on keys and
+  ``window_start``; merged sessions retract the rows they replace).
+* An event is **late** for a window when ``end + L <= W`` at the start of the micro-batch that
+  delivered it (for sessions, the event's own window ``[t, t + gap)``). Late events are never
+  dropped silently: they go to the job's late side output (``<table>_late``), one row per missed
+  window, with ``window_start``, ``window_end``, ``watermark_ms`` and
   ``late_by_ms = watermark_ms - event_time_ms``.
 * **Bounded runs** (backfills) have a perfect watermark: nothing is late, and at end of input the
   watermark jumps to +infinity, so every window fires (Flink's batch execution of a bounded stream).
@@ -24,39 +27,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Literal
 
-from .durations import format_duration, to_ms
+from .durations import to_ms
 from .errors import DeclarationError
-
-
-def _positive(name: str, value: timedelta) -> None:
-    if not isinstance(value, timedelta):
-        raise DeclarationError(f"{name} must be a timedelta, got {value!r}; e.g. timedelta(minutes=5)")
-    if value <= timedelta(0):
-        raise DeclarationError(f"{name} must be positive, got {format_duration(value)}")
-    if to_ms(value) != value.total_seconds() * 1000:
-        raise DeclarationError(f"{name} must be a whole number of milliseconds, got {value}")
-
-
-@dataclass(frozen=True)
-class Tumbling:
-    """Fixed, non-overlapping windows ``[k*size, (k+1)*size)`` of event time."""
-
-    size: timedelta
-
-    def __post_init__(self) -> None:
-        _positive("Tumbling.size", self.size)
-
-    @property
-    def size_ms(self) -> int:
-        return to_ms(self.size)
-
-    @property
-    def span_ms(self) -> int:
-        """How far before a window's start its earliest event can lie (0: none before)."""
-        return 0
-
-    def describe(self) -> str:
-        return f"Tumbling(size={format_duration(self.size)})"
+from .keyed.function import EVENT_TIME, PROCESSING_TIME, KeyedProcessFunction, declared_state
+from .windows import Session, Sliding, Tumbling, Window, positive
 
 
 @dataclass(frozen=True)
@@ -130,8 +104,39 @@ class Field:
 
 
 @dataclass(frozen=True)
+class Table:
+    """A lake table ``lake.<namespace>.<name>``; Iceberg or Delta is chosen by configuration."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        parts = self.name.split(".")
+        if len(parts) != 3 or parts[0] != "lake" or not all(p.isidentifier() for p in parts):
+            raise DeclarationError(f"table name {self.name!r} must look like lake.<namespace>.<table>")
+
+    @property
+    def namespace(self) -> str:
+        return ".".join(self.name.split(".")[:2])
+
+    @property
+    def domain(self) -> str:
+        return self.name.split(".")[1]
+
+    @property
+    def short(self) -> str:
+        return self.name.split(".", 1)[1]
+
+    def side(self, suffix: str) -> "Table":
+        return Table(f"{self.name}_{suffix}")
+
+
+@dataclass(frozen=True)
 class Source:
-    """A folder of JSON-lines files in the landing zone, filled in arrival order."""
+    """A folder of JSON-lines files in the landing zone, filled in arrival order.
+
+    Invalid lines go to ``lake.quarantine.<name>``. Dedup keys must be unique across the
+    sources of one job (the generator prefixes them per source).
+    """
 
     name: str
     fields: tuple[Field, ...]
@@ -148,56 +153,68 @@ class Source:
     def field_names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.fields)
 
-
-@dataclass(frozen=True)
-class IcebergTable:
-    """An Iceberg table ``lake.<namespace>.<name>``."""
-
-    name: str
-
-    def __post_init__(self) -> None:
-        parts = self.name.split(".")
-        if len(parts) != 3 or parts[0] != "lake" or not all(parts):
-            raise DeclarationError(f"table name {self.name!r} must look like lake.<namespace>.<table>")
-
     @property
-    def namespace(self) -> str:
-        return ".".join(self.name.split(".")[:2])
+    def quarantine(self) -> Table:
+        return Table(f"lake.quarantine.{self.name}")
 
-    @property
-    def short(self) -> str:
-        return self.name.split(".", 1)[1]
 
-    def side(self, suffix: str) -> "IcebergTable":
-        return IcebergTable(f"{self.name}_{suffix}")
+def _check_sources(job: str, sources: tuple[Source, ...]) -> None:
+    if not sources or not all(isinstance(s, Source) for s in sources):
+        raise DeclarationError(f"job {job}: sources must be a non-empty tuple of Source, e.g. sources=(PAYMENTS,)")
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+        raise DeclarationError(f"job {job}: a source is listed twice in {names}")
+    first = sources[0]
+    for s in sources[1:]:
+        if (s.event_time, s.dedup_key) != (first.event_time, first.dedup_key):
+            raise DeclarationError(f"job {job}: all sources must share the event-time column and the dedup key")
+        common = {f.name: f.type for f in first.fields}
+        clash = [f.name for f in s.fields if f.name in common and common[f.name] != f.type]
+        if clash:
+            raise DeclarationError(f"job {job}: field(s) {clash} have different types in {first.name} and {s.name}")
+
+
+def _check_name(name: str) -> None:
+    if not name.isidentifier():
+        raise DeclarationError(f"job name {name!r} must be a Python identifier, e.g. purchase_metrics")
+
+
+def _digest(shape: dict) -> str:
+    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
 class WindowedJob:
     """An event-time windowed aggregation, declared once, run as a stream or bounded.
 
-    ``transform`` maps a frame of valid, deduplicated source events to a frame holding the
-    ``keys``, the source's event-time column and the measure columns that ``aggregates`` read.
-    It must be deterministic and must work unchanged on streaming and batch DataFrames (use
-    column expressions; no actions, no ``now()``).
+    ``transform`` maps the frame of valid, deduplicated events of all ``sources`` (unioned by
+    column name, with a ``source`` column) to a frame holding the ``keys``, the event-time
+    column (unchanged), the dedup key and the measure columns that ``aggregates`` read; it may
+    filter rows. It must be deterministic and work unchanged on streaming and batch DataFrames
+    (column expressions; no actions, no ``now()``). ``having`` (a SQL predicate over the
+    aggregates, e.g. ``"declined > 5"``) keeps only the windows that satisfy it.
     """
 
     name: str
-    source: Source
+    sources: tuple[Source, ...]
     keys: tuple[str, ...]
-    window: Tumbling
+    window: Window
     watermark: Watermark
     transform: Callable = field(compare=False, hash=False)
     aggregates: tuple[Agg, ...]
-    sink: IcebergTable
-    quarantine: IcebergTable
+    sink: Table
+    having: str | None = None
     dedup_ttl: timedelta = timedelta(minutes=30)
     description: str = ""
     owner: str = "data-platform"
 
+    kind = "windowed"
+
     def __post_init__(self) -> None:
-        if not self.name.isidentifier():
-            raise DeclarationError(f"job name {self.name!r} must be a Python identifier, e.g. purchase_metrics")
+        _check_name(self.name)
+        _check_sources(self.name, self.sources)
+        if not isinstance(self.window, (Tumbling, Sliding, Session)):
+            raise DeclarationError(f"job {self.name}: window must be Tumbling, Sliding or Session, got {self.window!r}")
         if not self.keys:
             raise DeclarationError(f"job {self.name}: keys must name at least one column, e.g. keys=('user_id',)")
         if not self.aggregates:
@@ -206,22 +223,118 @@ class WindowedJob:
         clash = set(names) & (set(self.keys) | {"window_start", "window_end"})
         if len(set(names)) != len(names) or clash:
             raise DeclarationError(f"job {self.name}: aggregate names must be unique and differ from keys, got {names}")
-        _positive(f"job {self.name}: dedup_ttl", self.dedup_ttl)
+        positive(f"job {self.name}: dedup_ttl", self.dedup_ttl)
 
     @property
-    def late_sink(self) -> IcebergTable:
+    def source(self) -> Source:
+        return self.sources[0]
+
+    @property
+    def late_sink(self) -> Table:
         return self.sink.side("late")
+
+    @property
+    def upserts(self) -> bool:
+        """True when a window can be written more than once (corrections, retractions)."""
+        return self.watermark.allowed_lateness_ms > 0
 
     def shape(self) -> dict:
         """Everything that shapes the job's state (keys, window, aggregates), as plain data."""
         return {
+            "kind": self.kind,
             "keys": list(self.keys),
             "window": self.window.describe(),
             "aggregates": [[a.kind, a.column, a.name] for a in self.aggregates],
-            "source": self.source.name,
+            "source": ",".join(s.name for s in self.sources),
             "dedup_key": self.source.dedup_key,
         }
 
     def fingerprint(self) -> str:
         """A stable hash of :meth:`shape`."""
-        return hashlib.sha256(json.dumps(self.shape(), sort_keys=True).encode()).hexdigest()[:16]
+        return _digest(self.shape())
+
+
+@dataclass(frozen=True)
+class KeyedJob:
+    """Custom keyed logic (a :class:`KeyedProcessFunction`) with state, timers and TTL.
+
+    ``transform`` maps valid events (as for :class:`WindowedJob`) to the rows the function
+    receives; it must keep the keys, the event-time column and the dedup key. ``output`` is the
+    schema of the rows the function emits (Spark DDL), ``time_column`` the output column that
+    says which event time a row is about (partitioning, backfill ranges). ``history`` is how much
+    event time before a range a bounded run replays to rebuild the state the range starts with.
+    """
+
+    name: str
+    sources: tuple[Source, ...]
+    keys: tuple[str, ...]
+    watermark: Watermark
+    transform: Callable = field(compare=False, hash=False)
+    function: type
+    output: str
+    time_column: str
+    sink: Table
+    history: timedelta
+    timers: str = EVENT_TIME
+    dedup_ttl: timedelta = timedelta(minutes=30)
+    description: str = ""
+    owner: str = "data-platform"
+
+    kind = "keyed"
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        _check_sources(self.name, self.sources)
+        if not self.keys:
+            raise DeclarationError(f"job {self.name}: keys must name at least one column, e.g. keys=('card_id',)")
+        if not (isinstance(self.function, type) and issubclass(self.function, KeyedProcessFunction)):
+            raise DeclarationError(f"job {self.name}: function must be a KeyedProcessFunction subclass, got {self.function!r}")
+        if self.timers not in (EVENT_TIME, PROCESSING_TIME):
+            raise DeclarationError(f"job {self.name}: timers must be EVENT_TIME or PROCESSING_TIME, got {self.timers!r}")
+        if self.watermark.allowed_lateness_ms:
+            raise DeclarationError(
+                f"job {self.name}: allowed_lateness applies to windows; a keyed function receives its elements in "
+                "event-time order, so an element behind the watermark is late. Use Watermark(out_of_orderness=...) only"
+            )
+        columns = [c.strip().split()[0].strip("`") for c in self.output.split(",") if c.strip()]
+        if self.time_column not in columns:
+            raise DeclarationError(f"job {self.name}: time_column {self.time_column!r} is not an output column {columns}")
+        if not isinstance(self.history, timedelta) or self.history < timedelta(0):
+            raise DeclarationError(f"job {self.name}: history must be a timedelta >= 0, e.g. timedelta(hours=24)")
+        positive(f"job {self.name}: dedup_ttl", self.dedup_ttl)
+
+    @property
+    def source(self) -> Source:
+        return self.sources[0]
+
+    @property
+    def late_sink(self) -> Table:
+        return self.sink.side("late")
+
+    @property
+    def upserts(self) -> bool:
+        return False
+
+    @property
+    def output_columns(self) -> list[str]:
+        return [c.strip().split()[0].strip("`") for c in self.output.split(",") if c.strip()]
+
+    def state(self) -> dict:
+        return declared_state(self.function)
+
+    def shape(self) -> dict:
+        return {
+            "kind": self.kind,
+            "keys": list(self.keys),
+            "function": f"{self.function.__module__}.{self.function.__qualname__}",
+            "state": sorted(d.describe() for d in self.state().values()),
+            "timers": self.timers,
+            "source": ",".join(s.name for s in self.sources),
+            "dedup_key": self.source.dedup_key,
+        }
+
+    def fingerprint(self) -> str:
+        return _digest(self.shape())
+
+
+Job = WindowedJob | KeyedJob

@@ -1,37 +1,46 @@
-"""The event-time engine: one micro-batch (or one bounded run) of a windowed job.
+"""The event-time engine of windowed jobs: one micro-batch (or one bounded run).
 
 The same code serves the stream (inside ``foreachBatch``, with state carried between batches)
 and the bounded twin (one call, empty state, perfect watermark). It only builds DataFrames and
-runs the small actions of the batch statistics (and of duplicate detection); the runners do the I/O.
+runs the small actions of the batch statistics; the runners do the I/O.
 
-Per batch, with ``W_in`` the watermark at the start of the batch (see ``declaration``):
+Per batch, with ``W_in`` the watermark at the start of the batch and ``L`` the allowed lateness
+(see ``declaration`` for the rules):
 
-1. parse lines; invalid ones become quarantine rows (grouped per file and line text);
-2. drop duplicate deliveries (``dedup_key``) within the batch and against the keys seen in
-   earlier batches (kept until ``max(event_time, W_in) + dedup_ttl <= W``);
-3. assign windows; an event whose window satisfies ``end + allowed_lateness <= W_in`` is late and
-   goes to the late side output; the rest are transformed;
-4. aggregate them per key and window together with the open windows kept from earlier batches
-   (one aggregation, partial aggregates combined map-side);
+1. parse lines of every source; invalid ones become quarantine rows (per file and line text);
+2. drop duplicate deliveries (dedup key) within the batch and against the keys seen in earlier
+   batches (kept until ``max(event_time, W_in) + dedup_ttl <= W``);
+3. transform the events and assign windows (a sliding window event yields one row per window;
+   a session event opens ``[t, t + gap)``); a (row, window) with ``end + L <= W_in`` is late and
+   goes to the late side output with the original event; the rest are measured;
+4. merge them with the open windows of earlier batches in one aggregation (sessions: per key,
+   windows that overlap or touch merge, gaps-and-islands over start/end);
 5. ``W_out = max(W_in, max event time of the batch - out_of_orderness)`` (bounded: +infinity);
-   windows with ``end <= W_out`` fire; a window is kept in state until ``end + allowed_lateness > W_out``.
+   windows with ``end <= W_out`` that are new or changed fire. Without lateness each fires once
+   (append). With lateness a window stays open until ``end + L <= W_out``; a changed window is
+   written again (upsert on keys + ``window_start``), and the rows of sessions it absorbed, or
+   of windows that no longer satisfy ``having``, are deleted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from pyspark import StorageLevel
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from .declaration import Agg, WindowedJob
+from .errors import DeclarationError
 from .parse import parse
+from .sinks.base import OP
+from .windows import Session, Sliding
 
 NEG_INF_MS = -(2**62)
 POS_INF_MS = 2**62
-
 WS, WE = "window_start_ms", "window_end_ms"
+SOURCE = "_source"  # raw frames of multi-source jobs say which source a line came from
 
 
 @dataclass(frozen=True)
@@ -42,8 +51,9 @@ class BatchStats:
     quarantined: int = 0
     events: int = 0  # valid, deduplicated events (on time + late)
     duplicates: int = 0
-    late: int = 0
-    windows_written: int = 0
+    late: int = 0  # rows of the late side output (windowed: one per event and missed window)
+    rows_written: int = 0  # main-table rows written (windows, keyed outputs)
+    rows_deleted: int = 0  # main-table rows deleted (retracted sessions, windows that left ``having``)
     max_event_time_ms: int | None = None
     watermark_in_ms: int = NEG_INF_MS
     watermark_out_ms: int = NEG_INF_MS
@@ -58,18 +68,18 @@ class BatchStats:
             events=self.events + other.events,
             duplicates=self.duplicates + other.duplicates,
             late=self.late + other.late,
-            windows_written=self.windows_written + other.windows_written,
+            rows_written=self.rows_written + other.rows_written,
+            rows_deleted=self.rows_deleted + other.rows_deleted,
             max_event_time_ms=mx(self.max_event_time_ms, other.max_event_time_ms),
             watermark_in_ms=min(self.watermark_in_ms, other.watermark_in_ms),
             watermark_out_ms=max(self.watermark_out_ms, other.watermark_out_ms),
         )
 
 
-def _agg_expr(agg: Agg, source: str) -> Column:
-    if agg.kind == "count":
-        return F.count(F.lit(1)) if source == "*" else F.sum(source)
-    fn = {"sum": F.sum, "min": F.min, "max": F.max}[agg.kind]
-    return fn(source)
+def _agg_expr(kind: str, column: str) -> Column:
+    if kind == "count":
+        return F.count(F.lit(1)) if column == "*" else F.sum(column)
+    return {"sum": F.sum, "min": F.min, "max": F.max}[kind](column)
 
 
 def _agg_type(agg: Agg, schema: T.StructType) -> T.DataType:
@@ -86,12 +96,19 @@ def _agg_type(agg: Agg, schema: T.StructType) -> T.DataType:
     return T.DoubleType()
 
 
-def assign_windows(frame: DataFrame, job: WindowedJob, time_col: str) -> DataFrame:
-    """Add ``window_start_ms``/``window_end_ms``: the half-open window ``[start, end)`` of each row."""
-    size = job.window.size_ms
-    ms = F.unix_millis(F.col(time_col))
-    start = ms - F.pmod(ms, F.lit(size))
-    return frame.withColumn(WS, start).withColumn(WE, start + F.lit(size))
+def assign_windows(frame: DataFrame, job: WindowedJob, time_ms: Column) -> DataFrame:
+    """Add ``window_start_ms``/``window_end_ms``: the half-open windows ``[start, end)`` of each row."""
+    window = job.window
+    if isinstance(window, Session):
+        return frame.withColumn(WS, time_ms).withColumn(WE, time_ms + F.lit(window.gap_ms))
+    size, every = window.size_ms, window.every_ms
+    last = time_ms - F.pmod(time_ms, F.lit(every))
+    if isinstance(window, Sliding) and window.windows_per_event > 1:
+        back = F.explode(F.sequence(F.lit(0), F.lit(window.windows_per_event - 1)))
+        frame = frame.withColumn(WS, last - back * F.lit(every)).where(F.col(WS) + F.lit(size) > time_ms)
+    else:
+        frame = frame.withColumn(WS, last)
+    return frame.withColumn(WE, F.col(WS) + F.lit(size))
 
 
 @dataclass
@@ -101,94 +118,120 @@ class BatchPlan:
     job: WindowedJob
     watermark_in_ms: int
     bounded: bool
-    parsed: DataFrame
-    events: DataFrame  # valid, with event_time_ms and window columns; deduplicated by stats()
+    parsed: DataFrame  # every line of every source: fields, source, source_file, _raw, _reason
     open_windows: DataFrame | None
     seen_keys: DataFrame | None
     event_range_ms: tuple[int, int] | None = None
+    _events: DataFrame | None = None
+    _windowed: DataFrame | None = None
+    _late: DataFrame | None = None
     _cached: list[DataFrame] = field(default_factory=list)
     _stats: BatchStats | None = None
+    quarantined_by_source: dict[str, int] = field(default_factory=dict)
 
     # -- outputs -------------------------------------------------------------------------
-    def quarantine(self) -> DataFrame:
-        """Invalid lines, one row per (file, line text) with its number of occurrences."""
+    def quarantine(self, source: str | None = None) -> DataFrame:
+        """Invalid lines (of ``source``, or all), one row per (file, line text) with its count."""
         bad = self.parsed.where(F.col("_reason").isNotNull())
-        return bad.groupBy("source_file", F.col("_raw").alias("raw_line")).agg(
+        if source is not None:
+            bad = bad.where(F.col("source") == source)
+        return bad.groupBy("source", "source_file", F.col("_raw").alias("raw_line")).agg(
             F.first("_reason").alias("reason"), F.count(F.lit(1)).alias("occurrences")
-        ).select(
-            F.lit(self.job.source.name).alias("source"),
-            "source_file",
-            "raw_line",
-            "reason",
-            "occurrences",
-            F.lit(self.job.name).alias("detected_by"),
-        )
+        ).select("source", "source_file", "raw_line", "reason", "occurrences", F.lit(self.job.name).alias("detected_by"))
 
     def _late_condition(self) -> Column:
         if self.bounded:
             return F.lit(False)
-        horizon = F.col(WE) + F.lit(self.job.watermark.allowed_lateness_ms)
-        return horizon <= F.lit(self.watermark_in_ms)
+        return F.col(WE) + F.lit(self.job.watermark.allowed_lateness_ms) <= F.lit(self.watermark_in_ms)
+
+    def windowed(self) -> DataFrame:
+        """Transformed events with their windows and a ``_late`` flag (one row per event and window)."""
+        if self._windowed is None:
+            job = self.job
+            measured = job.transform(self.events())
+            needed = (*job.keys, job.source.event_time, job.source.dedup_key)
+            missing = [c for c in needed if c not in measured.columns]
+            if missing:
+                raise DeclarationError(
+                    f"job {job.name}: transform output lacks column(s) {missing}; it must keep the keys, the "
+                    "event-time column and the dedup key"
+                )
+            windowed = assign_windows(measured, job, F.unix_millis(F.col(job.source.event_time)))
+            self._windowed = windowed.withColumn("_late", self._late_condition())
+        return self._windowed
 
     def late(self) -> DataFrame:
-        """Late side output: the original event, the window it missed, the watermark and by how much."""
-        self.stats()
-        fields = list(self.job.source.field_names)
-        return self.events.where(self._late_condition()).select(
-            *fields,
-            "source_file",
-            F.timestamp_millis(F.col(WS)).alias("window_start"),
-            F.timestamp_millis(F.col(WE)).alias("window_end"),
-            F.lit(self.watermark_in_ms).cast("long").alias("watermark_ms"),
-            (F.lit(self.watermark_in_ms) - F.col("event_time_ms")).cast("long").alias("late_by_ms"),
-        )
+        """Late side output: the event, the window it missed, the watermark and by how much."""
+        if self._late is None:
+            job, key = self.job, self.job.source.dedup_key
+            fields = [f for f in dict.fromkeys(n for s in job.sources for n in s.field_names)]
+            originals = self.events().select(
+                F.col(key).alias("_id"), F.col("source").alias("_src"), F.col("source_file").alias("_file"),
+                F.to_json(F.struct(*[F.col(f) for f in fields])).alias("_event"),
+            )
+            missed = self.windowed().where(F.col("_late")).select(
+                *job.keys, key, job.source.event_time, WS, WE,
+            )
+            joined = missed.join(originals, missed[key] == originals["_id"], "left")
+            t_ms = F.unix_millis(F.col(job.source.event_time))
+            late = joined.select(
+                *job.keys,
+                F.col(key),
+                F.col(job.source.event_time),
+                F.timestamp_millis(F.col(WS)).alias("window_start"),
+                F.timestamp_millis(F.col(WE)).alias("window_end"),
+                F.lit(self.watermark_in_ms).cast("long").alias("watermark_ms"),
+                (F.lit(self.watermark_in_ms) - t_ms).cast("long").alias("late_by_ms"),
+                F.col("_src").alias("source"), F.col("_file").alias("source_file"), F.col("_event").alias("event"),
+            )
+            self._late = late if self.bounded else self._cache(late)
+        return self._late
 
     def _measures(self) -> tuple[DataFrame, dict[str, T.DataType]]:
-        """One row per on-time event: keys, window and each aggregate's input value (already typed)."""
+        """One row per on-time (event, window): keys, window and each aggregate's input value (typed)."""
         job = self.job
-        self.stats()
-        measured = job.transform(self.events.where(~self._late_condition()))
-        missing = [c for c in (*job.keys, job.source.event_time) if c not in measured.columns]
-        if missing:
-            from .errors import DeclarationError
-
-            raise DeclarationError(
-                f"job {job.name}: transform output lacks column(s) {missing}; it must keep the keys and the event-time column"
-            )
-        windowed = assign_windows(measured, job, job.source.event_time)
-        types = {a.name: _agg_type(a, measured.schema) for a in job.aggregates}
+        windowed = self.windowed().where(~F.col("_late"))
+        types = {a.name: _agg_type(a, windowed.schema) for a in job.aggregates}
         values = [
             (F.lit(1) if a.kind == "count" and a.column == "*" else F.col(a.column)).cast(types[a.name]).alias(a.name)
             for a in job.aggregates
         ]
         return windowed.select(*job.keys, WS, WE, *values), types
 
+    # -- statistics ----------------------------------------------------------------------
+    def events(self) -> DataFrame:
+        if self._events is None:
+            self.stats()
+        return self._events  # type: ignore[return-value]
+
     def stats(self) -> BatchStats:
         """Run the batch's statistics actions (they also fill the cache used by the writes)."""
         if self._stats is None:
+            job = self.job
             self._cache(self.parsed)
             valid = F.col("_reason").isNull()
-            t_ms = F.unix_millis(self.job.source.event_time)
+            t_ms = F.unix_millis(job.source.event_time)
             if self.event_range_ms is not None:
                 valid = valid & (t_ms >= self.event_range_ms[0]) & (t_ms < self.event_range_ms[1])
+            bad_by_source = [F.count(F.when(F.col("_reason").isNotNull() & (F.col("source") == s.name), 1)).alias(s.name)
+                             for s in job.sources]
             row = self.parsed.agg(
-                F.count(F.lit(1)).alias("lines"),
-                F.count("_reason").alias("bad"),
-                F.count(F.when(valid, 1)).alias("valid"),
-                F.max(F.when(valid, t_ms)).alias("max_t"),
+                F.count(F.lit(1)).alias("_lines"),
+                F.count(F.when(valid, 1)).alias("_valid"),
+                F.max(F.when(valid, t_ms)).alias("_max_t"),
+                *bad_by_source,
             ).first()
-            self.events = self._deduplicate(self.events)
-            ev = self.events.agg(
-                F.count(F.lit(1)).alias("events"), F.count(F.when(self._late_condition(), 1)).alias("late")
-            ).first()
-            valid = row["valid"]
+            self.quarantined_by_source = {s.name: row[s.name] for s in job.sources}
+            events = self.parsed.where(valid).drop("_raw", "_reason")
+            self._events = self._deduplicate(events.withColumn("event_time_ms", t_ms))
+            n_events = self._events.count()
             self._stats = BatchStats(
-                lines=row["lines"],
-                quarantined=row["bad"],
-                events=ev["events"],
-                duplicates=valid - ev["events"],
-                late=ev["late"],
-                max_event_time_ms=row["max_t"],
+                lines=row["_lines"],
+                quarantined=sum(self.quarantined_by_source.values()),
+                events=n_events,
+                duplicates=row["_valid"] - n_events,
+                late=0 if self.bounded else self.late().count(),
+                max_event_time_ms=row["_max_t"],
                 watermark_in_ms=self.watermark_in_ms,
             )
         return self._stats
@@ -196,10 +239,10 @@ class BatchPlan:
     def _deduplicate(self, valid: DataFrame) -> DataFrame:
         """Drop repeated deliveries: within the batch, and of keys remembered from earlier batches.
 
-        ``dropDuplicates`` over the whole batch would shuffle every row (and aggregate strings by
-        sorting). Duplicates are rare, so only 64-bit hashes of the key are counted (hash
-        aggregation, combined map-side); rows whose hash occurs once pass untouched, and only the
-        few rows with a repeated hash (true duplicates, or a hash collision) are deduplicated exactly.
+        ``dropDuplicates`` over the whole batch would shuffle every row. Duplicates are rare, so
+        only 64-bit hashes of the key are counted (hash aggregation, combined map-side); rows whose
+        hash occurs once pass untouched, and only the few rows with a repeated hash (true
+        duplicates, or a hash collision) are deduplicated exactly.
         """
         key = self.job.source.dedup_key
         hashed = valid.withColumn("_h", F.xxhash64(F.col(key)))
@@ -214,8 +257,8 @@ class BatchPlan:
             hashed = once.unionByName(again)
         events = hashed.drop("_h")
         if self.seen_keys is not None:
-            events = events.join(self.seen_keys.select(key), on=key, how="left_anti")
-        return events
+            events = events.join(self.seen_keys.select(F.col("key").alias(key)), on=key, how="left_anti")
+        return self._cache(events)
 
     def next_watermark(self) -> int:
         if self.bounded:
@@ -225,34 +268,63 @@ class BatchPlan:
             return self.watermark_in_ms
         return max(self.watermark_in_ms, max_t - self.job.watermark.out_of_orderness_ms)
 
+    # -- windows -------------------------------------------------------------------------
+    def _merge(self, rows: DataFrame, types: dict[str, T.DataType]) -> DataFrame:
+        """Combine partial aggregates per window (sessions: per merged session) in one aggregation."""
+        job = self.job
+        combine = [
+            _agg_expr("sum" if a.kind == "count" else a.kind, a.name).cast(types[a.name]).alias(a.name)
+            for a in job.aggregates
+        ]
+        flags = [
+            F.max("_fired").alias("_fired"),
+            F.max("_changed").alias("_changed"),
+            F.array_distinct(F.flatten(F.collect_list("_in_sink"))).alias("_in_sink"),
+        ]
+        if not isinstance(job.window, Session):
+            return rows.groupBy(*job.keys, WS, WE).agg(*combine, *flags)
+        # Gaps and islands: a row starts a new session when it starts after every earlier end of its key.
+        order = Window.partitionBy(*job.keys).orderBy(WS, WE)
+        before = F.max(WE).over(order.rowsBetween(Window.unboundedPreceding, -1))
+        rows = rows.withColumn("_new", F.when(before.isNull() | (F.col(WS) > before), 1).otherwise(0))
+        rows = rows.withColumn("_sid", F.sum("_new").over(order.rowsBetween(Window.unboundedPreceding, 0)))
+        return rows.groupBy(*job.keys, "_sid").agg(
+            F.min(WS).alias(WS), F.max(WE).alias(WE), *combine, *flags
+        ).drop("_sid")
+
     def finish(self, watermark_out_ms: int) -> "BatchOutputs":
-        """Merge into the open windows and split what fires from what stays in state."""
+        """Merge into the open windows and split what is written from what stays in state."""
         job = self.job
         rows, types = self._measures()
-        rows = rows.withColumn("_emitted", F.lit(False)).withColumn("_changed", F.lit(True))
+        no_starts = F.array().cast("array<bigint>")
+        rows = rows.select("*", F.lit(False).alias("_fired"), F.lit(True).alias("_changed"), no_starts.alias("_in_sink"))
         if self.open_windows is not None:
-            previous = self.open_windows.withColumn("_changed", F.lit(False))
-            rows = previous.unionByName(rows)
-        # One aggregation merges this batch's events into the open windows (partial sums map-side).
-        merge_kind = {"count": "sum"}
-        merged = rows.groupBy(*job.keys, WS, WE).agg(
-            *[
-                _agg_expr(Agg(merge_kind.get(a.kind, a.kind), a.name), a.name).cast(types[a.name]).alias(a.name)
-                for a in job.aggregates
-            ],
-            F.max("_emitted").alias("_emitted"),
-            F.max("_changed").alias("_changed"),
-        )
-        merged = self._cache(merged)
+            rows = self.open_windows.withColumn("_changed", F.lit(False)).unionByName(rows)
+        merged = self._cache(self._merge(rows, types))
         fires = F.col(WE) <= F.lit(watermark_out_ms)
-        emitted = merged.where(fires & (~F.col("_emitted") | F.col("_changed"))).select(
+        due = fires & (F.col("_changed") | ~F.col("_fired"))
+        passing = F.coalesce(F.expr(job.having), F.lit(False)) if job.having else F.lit(True)
+        aggs = [a.name for a in job.aggregates]
+        written = merged.where(due & passing).select(
             *job.keys,
             F.timestamp_millis(F.col(WS)).alias("window_start"),
             F.timestamp_millis(F.col(WE)).alias("window_end"),
-            *[a.name for a in job.aggregates],
+            *aggs,
         )
+        if job.upserts and not self.bounded:
+            stale = merged.where(due).select(
+                *job.keys, F.explode(F.filter("_in_sink", lambda s: (s != F.col(WS)) | ~passing)).alias("_start"),
+            ).select(
+                *job.keys,
+                F.timestamp_millis(F.col("_start")).alias("window_start"),
+                F.lit(None).cast("timestamp").alias("window_end"),
+                *[F.lit(None).cast(types[a]).alias(a) for a in aggs],
+                F.lit("delete").alias(OP),
+            )
+            written = written.withColumn(OP, F.lit("upsert")).unionByName(stale)
+        in_sink = F.when(due, F.when(passing, F.array(F.col(WS))).otherwise(no_starts)).otherwise(F.col("_in_sink"))
         keep = merged.where(F.col(WE) + F.lit(job.watermark.allowed_lateness_ms) > F.lit(watermark_out_ms)).select(
-            *job.keys, WS, WE, *[a.name for a in job.aggregates], (F.col("_emitted") | fires).alias("_emitted")
+            *job.keys, WS, WE, *aggs, (F.col("_fired") | fires).alias("_fired"), in_sink.alias("_in_sink"),
         )
         seen = None
         if not self.bounded:
@@ -260,11 +332,11 @@ class BatchPlan:
             expires = F.greatest(F.col("event_time_ms"), F.lit(self.watermark_in_ms)) + F.lit(
                 int(job.dedup_ttl.total_seconds() * 1000)
             )
-            seen = self.events.select(key, expires.alias("expires_ms"))
+            seen = self.events().select(F.col(key).cast("string").alias("key"), expires.alias("expires_ms"))
             if self.seen_keys is not None:
                 seen = self.seen_keys.unionByName(seen)
             seen = seen.where(F.col("expires_ms") > F.lit(watermark_out_ms))
-        return BatchOutputs(emitted=emitted, open_windows=keep, seen_keys=seen)
+        return BatchOutputs(written=written, open_windows=keep, seen_keys=seen)
 
     def release(self) -> None:
         for frame in self._cached:
@@ -280,9 +352,21 @@ class BatchPlan:
 
 @dataclass(frozen=True)
 class BatchOutputs:
-    emitted: DataFrame
+    written: DataFrame  # rows for the sink (with an ``_op`` column when the job upserts)
     open_windows: DataFrame
     seen_keys: DataFrame | None
+
+
+def parse_sources(job, raw: DataFrame) -> DataFrame:
+    """Every line of every source of ``job``: typed fields (unioned by name), ``source``, reasons."""
+    frames = []
+    for source in job.sources:
+        lines = raw.where(F.col(SOURCE) == source.name) if len(job.sources) > 1 else raw
+        frames.append(parse(lines, source).withColumn("source", F.lit(source.name)))
+    parsed = frames[0]
+    for frame in frames[1:]:
+        parsed = parsed.unionByName(frame, allowMissingColumns=True)
+    return parsed
 
 
 def plan_batch(
@@ -295,27 +379,20 @@ def plan_batch(
     bounded: bool = False,
     event_range_ms: tuple[int, int] | None = None,
 ) -> BatchPlan:
-    """Build the batch's frames from raw lines (``value``, ``source_file``)."""
-    parsed = parse(raw, job.source)
+    """Build the batch's frames from raw lines (``value``, ``source_file`` and, multi-source, ``_source``)."""
+    parsed = parse_sources(job, raw)
     # Only quarantined and late rows report their file. Dropping it elsewhere keeps the batch's
     # cache small: an uncompressed path string per event costs more than all its fields together.
-    # (An event is late only if its window ended before W_in, so its event time is before W_in.)
+    # (An event is late only for a window that ended before W_in, so its event time is before W_in.)
     needs_file = F.col("_reason").isNotNull()
     if not bounded:
         needs_file = needs_file | (F.unix_millis(F.col(job.source.event_time)) < F.lit(watermark_in_ms))
     parsed = parsed.withColumn("source_file", F.when(needs_file, F.col("source_file")))
-    events = parsed.where(F.col("_reason").isNull()).drop("_raw", "_reason")
-    events = events.withColumn("event_time_ms", F.unix_millis(F.col(job.source.event_time)))
-    if event_range_ms is not None:
-        lo, hi = event_range_ms
-        events = events.where((F.col("event_time_ms") >= lo) & (F.col("event_time_ms") < hi))
-    events = assign_windows(events, job, job.source.event_time)
     return BatchPlan(
         job=job,
         watermark_in_ms=watermark_in_ms,
         bounded=bounded,
         parsed=parsed,
-        events=events,
         open_windows=open_windows,
         seen_keys=seen_keys,
         event_range_ms=event_range_ms,

@@ -51,6 +51,10 @@ class SavepointError(LakestreamError):
     """A savepoint cannot be created, found or restored."""
 
 
+class OwnershipError(LakestreamError):
+    """A backfill range reaches into windows the live stream may still write."""
+
+
 class SinkCommitError(LakestreamError):
     """A table commit failed; the batch is not acknowledged and will be replayed."""
 

@@ -2,14 +2,15 @@
 
 ``savepoints/<job>/<id>/`` holds ``checkpoint/`` (a copy of the Spark checkpoint with the engine
 state) and ``manifest.json``: job, code version, batch id, source position, the version of every
-sink table (Iceberg snapshot id), state shape and fingerprint, key columns, shuffle partitions,
-Spark version, time.
+sink table (Iceberg snapshot id, Delta version), state shape and fingerprint, key columns, shuffle
+partitions, Spark version, time.
 
 * **create** is stop-with-savepoint: a running stream is asked to stop after its current batch
   (``StreamControl``), the checkpoint is copied while nothing writes to it, and the table versions
   recorded are exactly those the copied checkpoint has committed.
 * **restore** (``lakestream run JOB --from-savepoint ID``) checks compatibility first, puts the
-  copy back as the job's checkpoint and rolls every sink table back to its recorded snapshot, so
+  copy back as the job's checkpoint and rolls every sink table back to its recorded version
+  (Iceberg: set the current snapshot; Delta: restore the version), so
   the stream continues exactly-once from the savepoint even if the job ran on after it.
 """
 
@@ -25,11 +26,12 @@ from pathlib import Path
 from typing import Callable
 
 from .compat import differences, refuse, stored_shuffle_partitions
-from .declaration import IcebergTable, WindowedJob
+from .declaration import Job, Table
 from .errors import SavepointError
 from .hadoopfs import HadoopFS
 from .runner import StreamControl
 from .settings import Settings
+from .sinks import sink_for
 from .state import EngineState
 from .tables import all_tables
 
@@ -68,14 +70,6 @@ def code_version() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
-
-
-def current_snapshot(spark, table: IcebergTable) -> int | None:
-    """The table's current snapshot id (None for a table without snapshots or no table)."""
-    if not spark.catalog.tableExists(table.name):
-        return None
-    rows = spark.sql(f"SELECT snapshot_id FROM {table.name}.refs WHERE name = 'main'").collect()
-    return int(rows[0].snapshot_id) if rows else None
 
 
 class Savepoints:
@@ -122,7 +116,7 @@ class Savepoints:
         return [s.id for s in old]
 
     # -- create --------------------------------------------------------------------------
-    def create(self, job: WindowedJob, *, timeout_s: float = 600.0, keep: int | None = None) -> Savepoint:
+    def create(self, job: Job, *, timeout_s: float = 600.0, keep: int | None = None) -> Savepoint:
         checkpoint = self.settings.checkpoint_dir(job.name)
         if not self.fs.exists(f"{checkpoint}/metadata"):
             raise SavepointError(f"{job.name} has no checkpoint at {checkpoint} yet; run it before taking a savepoint")
@@ -144,7 +138,7 @@ class Savepoints:
                 self.say(f"retention (keep {keep}): deleted savepoint {gone}")
         return savepoint
 
-    def _stop_running(self, job: WindowedJob, checkpoint: str, timeout_s: float) -> None:
+    def _stop_running(self, job: Job, checkpoint: str, timeout_s: float) -> None:
         control = StreamControl(self.spark, checkpoint)
         running = control.running()
         if running is None:
@@ -179,7 +173,7 @@ class Savepoints:
         if not ok:
             raise SavepointError(f"could not copy {source} to {target}")
 
-    def _manifest(self, job: WindowedJob, savepoint_id: str, checkpoint: str, record, now: datetime) -> dict:
+    def _manifest(self, job: Job, savepoint_id: str, checkpoint: str, record, now: datetime) -> dict:
         offsets = sorted(int(n) for n in self.fs.list_names(f"{checkpoint}/offsets") if n.isdigit())
         source_offset = None
         if offsets:
@@ -193,9 +187,10 @@ class Savepoints:
             "code_version": code_version(),
             "batch_id": record.batch_id if record else None,
             "watermark_ms": record.watermark_ms if record else None,
-            "source": {"landing": self.settings.landing_dir(job.source.name), "offsets": source_offset,
+            "source": {"landing": [self.settings.landing_dir(s.name) for s in job.sources], "offsets": source_offset,
                        "last_planned_batch": offsets[-1] if offsets else None},
-            "tables": {t.name: current_snapshot(self.spark, t) for t in all_tables(job)},
+            "format": self.settings.format_of(job.name),
+            "tables": {t.name: sink_for(self.spark, self.settings, t, job.name).version() for t in all_tables(job)},
             "state": {"fingerprint": job.fingerprint(), "shape": job.shape(),
                       "windows_schema": record.windows_schema if record else None,
                       "seen_schema": record.seen_schema if record else None},
@@ -205,7 +200,7 @@ class Savepoints:
         }
 
     # -- restore -------------------------------------------------------------------------
-    def restore(self, job: WindowedJob, savepoint_id: str) -> Savepoint:
+    def restore(self, job: Job, savepoint_id: str) -> Savepoint:
         """Make the job's checkpoint and tables what they were at the savepoint (the stream must be stopped)."""
         savepoint = self.get(savepoint_id)
         if savepoint.job != job.name:
@@ -228,16 +223,19 @@ class Savepoints:
         # A new commit-id epoch: batches re-run from here must not match the commits rolled back below.
         restored_at = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
         self.fs.write_text(f"{checkpoint}/lakestream/epoch", f"restored-{savepoint_id}-{restored_at}")
-        for name, snapshot in manifest.get("tables", {}).items():
-            table = IcebergTable(name)
-            if not self.spark.catalog.tableExists(name):
+        fmt = manifest.get("format", "iceberg")
+        if fmt != self.settings.format_of(job.name):
+            raise SavepointError(
+                f"savepoint {savepoint_id} recorded {fmt} tables but {job.name} is configured for "
+                f"{self.settings.format_of(job.name)}; set the job's format back to {fmt} to restore it"
+            )
+        for name, version in manifest.get("tables", {}).items():
+            sink = sink_for(self.spark, self.settings, Table(name), job.name)
+            if not sink.exists():
                 continue
-            if snapshot is None:
+            if version is None:
                 self.say(f"  {name}: empty at the savepoint -> deleting all rows")
-                self.spark.sql(f"DELETE FROM {name}")
-            elif current_snapshot(self.spark, table) != snapshot:
-                self.say(f"  {name}: rolling back to snapshot {snapshot}")
-                self.spark.sql(
-                    f"CALL lake.system.set_current_snapshot(table => '{table.short}', snapshot_id => {int(snapshot)})"
-                )
+            elif sink.version() != version:
+                self.say(f"  {name}: rolling back to version {version}")
+            sink.rollback(version)
         return savepoint

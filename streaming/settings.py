@@ -7,6 +7,7 @@ Precedence (highest first): environment variables, the YAML file, defaults.
 ``LAKESTREAM_CONFIG``          YAML file (default ``$LAKESTREAM_HOME/lakestream.yaml`` if present)
 ``LAKESTREAM_SPARK_MASTER``    Spark master URL (default ``local[*]``)
 ``LAKESTREAM_ICEBERG_JAR``     path of the Iceberg Spark runtime jar (default: the bundled wheel)
+``LAKESTREAM_FORMAT``          table format of every sink: ``iceberg`` (default) or ``delta``
 =============================  ==============================================================
 
 YAML keys (all optional)::
@@ -20,6 +21,10 @@ YAML keys (all optional)::
       master: spark://10.0.0.5:7077
       shuffle_partitions: 8
       conf: {spark.executor.memory: 4g}
+    format: iceberg                   # table format of every sink: iceberg (default) | delta
+    delta:
+      engine: delta-rs                # delta-rs (default) | spark (needs delta-spark's jars)
+      storage_options: {AWS_REGION: eu-west-1}   # delta-rs object-store options
     iceberg:
       catalog: rest                   # hadoop (default) | rest | hive | any Iceberg catalog type
       uri: http://rest-catalog:8181
@@ -31,6 +36,7 @@ YAML keys (all optional)::
         out_of_orderness: 10s
         trigger_interval: 5s
         max_files_per_trigger: 1
+        format: delta                 # this job's sinks only
 """
 
 from __future__ import annotations
@@ -46,8 +52,11 @@ import yaml
 from .durations import parse_duration
 from .errors import ConfigError
 
-_TOP_KEYS = {"landing", "warehouse", "delta_root", "checkpoints", "savepoints", "spark", "iceberg", "jobs"}
-_JOB_KEYS = {"out_of_orderness", "allowed_lateness", "trigger_interval", "max_files_per_trigger", "dedup_ttl"}
+_TOP_KEYS = {"landing", "warehouse", "delta_root", "checkpoints", "savepoints", "spark", "iceberg", "delta", "format",
+             "jobs"}
+_JOB_KEYS = {"out_of_orderness", "allowed_lateness", "trigger_interval", "max_files_per_trigger", "dedup_ttl", "format"}
+FORMATS = ("iceberg", "delta")
+_DELTA_ENGINES = ("delta-rs", "spark")
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,7 @@ class JobOverrides:
     dedup_ttl: timedelta | None = None
     trigger_interval: timedelta = timedelta(seconds=5)
     max_files_per_trigger: int | None = None
+    format: str | None = None  # table format of this job's sinks (default: Settings.format)
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,9 @@ class Settings:
     shuffle_partitions: int = 4
     spark_conf: Mapping[str, str] = field(default_factory=dict)
     iceberg: IcebergSettings = field(default_factory=IcebergSettings)
+    format: str = "iceberg"
+    delta_engine: str = "delta-rs"
+    delta_storage_options: Mapping[str, str] = field(default_factory=dict)
     jobs: Mapping[str, JobOverrides] = field(default_factory=dict)
     config_file: Path | None = None
 
@@ -102,6 +115,10 @@ class Settings:
             )
         spark = _mapping(data.get("spark"), "spark")
         ice = _mapping(data.get("iceberg"), "iceberg")
+        delta = _mapping(data.get("delta"), "delta")
+        engine = str(delta.get("engine", "delta-rs"))
+        if engine not in _DELTA_ENGINES:
+            raise ConfigError(f"delta.engine must be one of {list(_DELTA_ENGINES)}, got {engine!r}")
         try:
             partitions = int(spark.get("shuffle_partitions", 4))
         except (TypeError, ValueError):
@@ -130,6 +147,9 @@ class Settings:
                 packages=ice.get("packages"),
                 properties={str(k): str(v) for k, v in _mapping(ice.get("properties"), "iceberg.properties").items()},
             ),
+            format=_format(env.get("LAKESTREAM_FORMAT") or data.get("format") or "iceberg", "format"),
+            delta_engine=engine,
+            delta_storage_options={str(k): str(v) for k, v in _mapping(delta.get("storage_options"), "delta.storage_options").items()},
             jobs={name: _job_overrides(name, raw) for name, raw in _mapping(data.get("jobs"), "jobs").items()},
             config_file=Path(path) if path else None,
         )
@@ -143,6 +163,11 @@ class Settings:
         jobs = dict(self.jobs)
         jobs[name] = replace(self.job(name), **changes)
         return replace(self, jobs=jobs)
+
+    def format_of(self, job: str | None) -> str:
+        """The table format of a job's sinks: its own override, else the global one."""
+        own = self.job(job).format if job else None
+        return own or self.format
 
     def landing_dir(self, source: str) -> str:
         return f"{self.landing.rstrip('/')}/{source}"
@@ -177,6 +202,13 @@ def _mapping(value: Any, name: str) -> Mapping[str, Any]:
     return value
 
 
+def _format(value: Any, name: str) -> str:
+    text = str(value).lower()
+    if text not in FORMATS:
+        raise ConfigError(f"{name} must be iceberg or delta, got {value!r}")
+    return text
+
+
 def _job_overrides(name: str, raw: Any) -> JobOverrides:
     raw = _mapping(raw, f"jobs.{name}")
     unknown = set(raw) - _JOB_KEYS
@@ -186,6 +218,8 @@ def _job_overrides(name: str, raw: Any) -> JobOverrides:
     for key in ("out_of_orderness", "allowed_lateness", "dedup_ttl", "trigger_interval"):
         if key in raw:
             values[key] = parse_duration(raw[key], field=f"jobs.{name}.{key}")
+    if "format" in raw:
+        values["format"] = _format(raw["format"], f"jobs.{name}.format")
     if "max_files_per_trigger" in raw:
         try:
             values["max_files_per_trigger"] = int(raw["max_files_per_trigger"])

@@ -1,7 +1,8 @@
-"""A job's tables (main sink, late side output, quarantine), their schemas and their creation.
+"""A job's tables (main sink, late side output, one quarantine table per source), their schemas,
+their creation, and their sinks in the configured format.
 
 Schemas are derived from the job's own plan over an empty input, so the tables always match what
-the engine writes.
+the engine writes. Main and late tables are partitioned by day of their time column.
 """
 
 from __future__ import annotations
@@ -10,40 +11,112 @@ from dataclasses import dataclass
 
 from pyspark.sql import types as T
 
-from . import sinks
-from .declaration import IcebergTable, WindowedJob
-from .engine import plan_batch
+from .declaration import Job, KeyedJob, Source, Table
+from .settings import Settings
+from .sinks import Sink, sink_for
 
-RAW_SCHEMA = T.StructType([T.StructField("value", T.StringType()), T.StructField("source_file", T.StringType())])
+RAW_SCHEMA = T.StructType([
+    T.StructField("value", T.StringType()),
+    T.StructField("source_file", T.StringType()),
+    T.StructField("_source", T.StringType()),
+])
+QUARANTINE_SCHEMA = T.StructType([
+    T.StructField("source", T.StringType()),
+    T.StructField("source_file", T.StringType()),
+    T.StructField("raw_line", T.StringType()),
+    T.StructField("reason", T.StringType()),
+    T.StructField("occurrences", T.LongType()),
+    T.StructField("detected_by", T.StringType()),
+])
 
 
 @dataclass(frozen=True)
-class JobTables:
-    main: T.StructType
-    late: T.StructType
-    quarantine: T.StructType
+class TableSpec:
+    table: Table
+    role: str  # main | late | quarantine
+    schema: T.StructType
+    partition_column: str | None
+    comment: str
+    source: str | None = None
 
 
-def schemas(spark, job: WindowedJob) -> JobTables:
-    plan = plan_batch(job, spark.createDataFrame([], RAW_SCHEMA))
-    return JobTables(
-        main=plan.finish(0).emitted.schema,
-        late=plan.late().schema,
-        quarantine=plan.quarantine().schema,
-    )
+def main_time_column(job: Job) -> str:
+    """The column that places a main-table row in time (partitions, backfill ranges)."""
+    return job.time_column if isinstance(job, KeyedJob) else "window_start"
 
 
-def ensure_job_tables(spark, job: WindowedJob) -> JobTables:
-    shapes = schemas(spark, job)
-    sinks.ensure_table(spark, job.sink, shapes.main, "days(window_start)", job.description)
-    sinks.ensure_table(
-        spark, job.late_sink, shapes.late, "days(window_start)", f"Late side output of {job.name}: events that missed their window"
-    )
-    sinks.ensure_table(
-        spark, job.quarantine, shapes.quarantine, None, f"Invalid {job.source.name} lines with the reason"
-    )
-    return shapes
+def late_time_column(job: Job) -> str:
+    return job.source.event_time if isinstance(job, KeyedJob) else "window_start"
 
 
-def all_tables(job: WindowedJob) -> list[IcebergTable]:
-    return [job.sink, job.late_sink, job.quarantine]
+def _schemas(spark, job: Job) -> tuple[T.StructType, T.StructType]:
+    if isinstance(job, KeyedJob):
+        from .keyed.spark import schemas
+
+        return schemas(spark, job)
+    from .engine import plan_batch
+
+    plan = plan_batch(job, spark.createDataFrame([], RAW_SCHEMA), bounded=True)
+    return plan.finish(0).written.schema, plan.late().schema
+
+
+def specs(spark, job: Job) -> list[TableSpec]:
+    main, late = _schemas(spark, job)
+    out = [
+        TableSpec(job.sink, "main", main, main_time_column(job), job.description or job.name),
+        TableSpec(job.late_sink, "late", late, late_time_column(job),
+                  f"Late side output of {job.name}: events that arrived after the watermark had passed their window"),
+    ]
+    out += [TableSpec(s.quarantine, "quarantine", QUARANTINE_SCHEMA, None, f"Invalid {s.name} lines with the reason",
+                      source=s.name) for s in job.sources]
+    return out
+
+
+@dataclass
+class JobSinks:
+    main: Sink
+    late: Sink
+    quarantine: dict[str, Sink]  # per source name
+
+    def all(self) -> list[Sink]:
+        return [self.main, self.late, *self.quarantine.values()]
+
+
+def job_sinks(spark, settings: Settings, job: Job, *, create: bool = True) -> JobSinks:
+    """The sinks of ``job`` in the configured format, created if missing."""
+    made: dict[str, Sink] = {}
+    quarantine: dict[str, Sink] = {}
+    for spec in _cached_specs(spark, job) if create else []:
+        sink = sink_for(spark, settings, spec.table, job.name)
+        sink.ensure(spec.schema, spec.partition_column, spec.comment)
+    for table, role, source in _roles(job):
+        sink = sink_for(spark, settings, table, job.name)
+        if role == "quarantine":
+            quarantine[source] = sink
+        else:
+            made[role] = sink
+    return JobSinks(main=made["main"], late=made["late"], quarantine=quarantine)
+
+
+def _roles(job: Job) -> list[tuple[Table, str, str | None]]:
+    return [(job.sink, "main", None), (job.late_sink, "late", None)] + [
+        (s.quarantine, "quarantine", s.name) for s in job.sources
+    ]
+
+
+def _cached_specs(spark, job: Job) -> list[TableSpec]:
+    key = (job, id(spark))
+    if key not in _SPEC_CACHE:
+        _SPEC_CACHE[key] = specs(spark, job)
+    return _SPEC_CACHE[key]
+
+
+_SPEC_CACHE: dict[tuple, list[TableSpec]] = {}
+
+
+def all_tables(job: Job) -> list[Table]:
+    return [t for t, _, _ in _roles(job)]
+
+
+def quarantine_tables(sources: tuple[Source, ...]) -> list[Table]:
+    return [s.quarantine for s in sources]

@@ -33,4 +33,4 @@ def test_materializing_the_stream_through_dagster_writes_the_table(spark, small_
     truth = oracle.replay_stream([[l for p in oracle.files_in_arrival_order(landing) for l in oracle.read_lines(p)]])
     rows = spark.table("lake.payments.purchase_metrics").count()
     assert rows == len(truth.closed) > 0  # one micro-batch: exactly the windows closed by its watermark
-    assert event.asset_materialization.metadata["windows_written"].value == rows
+    assert event.asset_materialization.metadata["rows_written"].value == rows

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from streaming.compat import differences
-from streaming.declaration import Tumbling
+from streaming.windows import Tumbling
 from streaming.errors import IncompatibleStateError, SavepointError
 from streaming.generator import generate
 from streaming.jobs import get_job
 from streaming.runner import run_stream
-from streaming.savepoints import Savepoints, current_snapshot
+from streaming.savepoints import Savepoints
+from streaming.sinks import IcebergSink
 from tests import oracle
 from tests.conftest import SMALL
 from tests.test_purchase_metrics import table_windows
@@ -55,7 +56,7 @@ def test_savepoint_then_more_input_then_restore_equals_an_uninterrupted_run(spar
 
     _arrive(files[2 * K :], landing)  # the landing zone keeps filling; the job runs on past the savepoint
     _run(spark, settings)
-    assert current_snapshot(spark, get_job(JOB).sink) != sp.manifest["tables"]["lake.payments.purchase_metrics"]
+    assert IcebergSink(spark, get_job(JOB).sink).version() != sp.manifest["tables"]["lake.payments.purchase_metrics"]
 
     savepoints.restore(get_job(JOB, settings), sp.id)
     for name, snapshot in sp.manifest["tables"].items():

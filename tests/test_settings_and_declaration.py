@@ -6,7 +6,8 @@ from datetime import timedelta
 
 import pytest
 
-from streaming.declaration import Agg, IcebergTable, Tumbling, Watermark
+from streaming.declaration import Agg, Table, Watermark
+from streaming.windows import Tumbling
 from streaming.errors import ConfigError, DeclarationError
 from streaming.jobs import get_job, registry
 from streaming.session import spark_conf
@@ -66,7 +67,7 @@ def test_declarations_validate_at_construction():
     with pytest.raises(DeclarationError, match="allowed_lateness must be a timedelta >= 0"):
         Watermark(out_of_orderness=timedelta(seconds=5), allowed_lateness=timedelta(seconds=-1))
     with pytest.raises(DeclarationError, match="lake.<namespace>.<table>"):
-        IcebergTable("payments.purchase_metrics")
+        Table("payments.purchase_metrics")
     with pytest.raises(DeclarationError, match="sum, min, max or count"):
         Agg("avg", "amount")
 

@@ -10,14 +10,14 @@ import pkgutil
 from dataclasses import replace
 from functools import cache
 
-from ..declaration import Watermark, WindowedJob
+from ..declaration import Job, Watermark
 from ..errors import UnknownJobError
 from ..settings import Settings
 
 
 @cache
-def registry() -> dict[str, WindowedJob]:
-    jobs: dict[str, WindowedJob] = {}
+def registry() -> dict[str, Job]:
+    jobs: dict[str, Job] = {}
     for module in pkgutil.iter_modules(__path__):
         job = getattr(importlib.import_module(f"{__name__}.{module.name}"), "JOB", None)
         if job is not None:
@@ -25,7 +25,7 @@ def registry() -> dict[str, WindowedJob]:
     return dict(sorted(jobs.items()))
 
 
-def get_job(name: str, settings: Settings | None = None) -> WindowedJob:
+def get_job(name: str, settings: Settings | None = None) -> Job:
     """The declared job ``name`` with the deployment's overrides from ``settings`` applied."""
     jobs = registry()
     if name not in jobs:

@@ -2,7 +2,8 @@
 
 Grain: one row per (user_id, window_start). Watermark: 5 s bounded out-of-orderness (override
 with ``jobs.purchase_metrics.out_of_orderness``). Duplicate deliveries are removed by
-``event_id``; late events go to ``lake.payments.purchase_metrics_late``.
+``event_id``; late events go to ``lake.payments.purchase_metrics_late``, invalid lines to
+``lake.quarantine.payments``.
 """
 
 from datetime import timedelta
@@ -10,15 +11,17 @@ from datetime import timedelta
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from streaming.declaration import Agg, IcebergTable, Tumbling, Watermark, WindowedJob
+from streaming.declaration import Agg, Table, Watermark, WindowedJob
+from streaming.windows import Tumbling
 from streaming.sources import PAYMENTS
 
 
 def measures(payments: DataFrame) -> DataFrame:
-    """One row per payment: the key, the event time and the measures to sum."""
+    """One row per payment: the key, the event time, the dedup key and the measures to sum."""
     return payments.select(
         "user_id",
         "event_time",
+        "event_id",
         (F.col("status") == "APPROVED").cast("long").alias("approved"),
         (F.col("status") == "DECLINED").cast("long").alias("declined"),
         "amount",
@@ -28,7 +31,7 @@ def measures(payments: DataFrame) -> DataFrame:
 JOB = WindowedJob(
     name="purchase_metrics",
     description="Per user and 5-minute event-time window: payments, approved, declined, amount.",
-    source=PAYMENTS,
+    sources=(PAYMENTS,),
     keys=("user_id",),
     window=Tumbling(size=timedelta(minutes=5)),
     watermark=Watermark(out_of_orderness=timedelta(seconds=5)),
@@ -39,6 +42,5 @@ JOB = WindowedJob(
         Agg.sum("declined", "declined_count"),
         Agg.sum("amount", "amount_sum"),
     ),
-    sink=IcebergTable("lake.payments.purchase_metrics"),
-    quarantine=IcebergTable("lake.quarantine.payments"),
+    sink=Table("lake.payments.purchase_metrics"),
 )

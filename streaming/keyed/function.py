@@ -1,0 +1,130 @@
+"""``KeyedProcessFunction``: custom per-key logic with state and timers, in Flink's shape.
+
+    class Alert(KeyedProcessFunction):
+        def open(self, ctx: RuntimeContext) -> None:
+            self.previous = ctx.get_state(ValueStateDescriptor("previous", "decimal(18,2)",
+                                                               ttl=TtlConfig(timedelta(hours=24))))
+
+        def process_element(self, payment, ctx: Context):
+            before = self.previous.value()
+            if before is not None and payment.amount > 10 * before:
+                yield {"card_id": ctx.get_current_key()[0], "amount": payment.amount}
+            self.previous.update(payment.amount)
+
+Semantics (the same in a stream and in a bounded run):
+
+* Elements of a key reach ``process_element`` **in event-time order** (ties by dedup key), once
+  the watermark has passed them, as Flink's CEP operator does: a stream buffers an element until
+  ``watermark >= event time``. An element that arrives with ``event time <= watermark`` cannot
+  take its place in that order: it is *late* and goes to the job's late side output.
+* An event-time timer for ``T`` fires after every element with ``event time <= T`` and before
+  any element with ``event time > T`` (``on_timer`` runs once per key and timestamp).
+* Processing-time timers fire at the first micro-batch whose start time (recorded in the
+  checkpoint, so a replay sees the same time) is ``>= T``; a job using them declares
+  ``timers=PROCESSING_TIME``. In a bounded run they fire at end of input.
+* In a bounded run the watermark is perfect: nothing is late, and at end of input every
+  event-time timer fires (Flink's batch execution of a bounded stream).
+* ``process_element`` and ``on_timer`` return (or yield) output rows: tuples in the order of
+  the job's output schema, or dicts by column name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from ..errors import DeclarationError
+from .state import HANDLES, StoreHolder, _Descriptor
+
+EVENT_TIME = "event_time"
+PROCESSING_TIME = "processing_time"
+
+
+class TimerService:
+    """Timers of the current key, and the clocks (Flink's ``TimerService``)."""
+
+    def __init__(self) -> None:
+        self.watermark_ms = 0
+        self.processing_time_ms = 0
+        self.event_timers: set[int] = set()
+        self.processing_timers: set[int] = set()
+
+    def current_watermark(self) -> int:
+        return self.watermark_ms
+
+    def current_processing_time(self) -> int:
+        return self.processing_time_ms
+
+    def register_event_time_timer(self, timestamp_ms: int) -> None:
+        self.event_timers.add(int(timestamp_ms))
+
+    def delete_event_time_timer(self, timestamp_ms: int) -> None:
+        self.event_timers.discard(int(timestamp_ms))
+
+    def register_processing_time_timer(self, timestamp_ms: int) -> None:
+        self.processing_timers.add(int(timestamp_ms))
+
+    def delete_processing_time_timer(self, timestamp_ms: int) -> None:
+        self.processing_timers.discard(int(timestamp_ms))
+
+
+class Context:
+    """What ``process_element`` and ``on_timer`` see: the key, the time, the timers."""
+
+    def __init__(self, timers: TimerService):
+        self._timers = timers
+        self.key: tuple = ()
+        self.timestamp_ms: int | None = None
+        self.time_domain: str = EVENT_TIME
+
+    def get_current_key(self) -> tuple:
+        return self.key
+
+    def timestamp(self) -> int | None:
+        """Event time of the element (or timestamp of the timer) being processed, ms."""
+        return self.timestamp_ms
+
+    def timer_service(self) -> TimerService:
+        return self._timers
+
+
+class RuntimeContext:
+    """Handed to ``open``: creates state handles and records their descriptors."""
+
+    def __init__(self, holder: StoreHolder | None = None):
+        self.holder = holder or StoreHolder()
+        self.descriptors: dict[str, _Descriptor] = {}
+
+    def get_state(self, descriptor: _Descriptor):
+        if not isinstance(descriptor, _Descriptor):
+            raise DeclarationError(
+                f"get_state expects a ValueStateDescriptor, ListStateDescriptor or MapStateDescriptor, got {descriptor!r}"
+            )
+        known = self.descriptors.get(descriptor.name)
+        if known is not None and known != descriptor:
+            raise DeclarationError(f"state {descriptor.name!r} is declared twice with different descriptors")
+        self.descriptors[descriptor.name] = descriptor
+        return HANDLES[descriptor.kind](descriptor, self.holder)
+
+    # Flink's names for the same thing
+    get_list_state = get_state
+    get_map_state = get_state
+
+
+class KeyedProcessFunction:
+    """Override ``process_element``; optionally ``open`` (declare state) and ``on_timer``."""
+
+    def open(self, ctx: RuntimeContext) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def process_element(self, value: Any, ctx: Context) -> Iterable | None:
+        raise NotImplementedError
+
+    def on_timer(self, timestamp_ms: int, ctx: Context) -> Iterable | None:
+        return None
+
+
+def declared_state(function_class: type) -> dict[str, _Descriptor]:
+    """The state a function declares in ``open`` (it is instantiated and opened on a recorder)."""
+    ctx = RuntimeContext()
+    function_class().open(ctx)
+    return ctx.descriptors

@@ -1,0 +1,232 @@
+"""The per-key runtime of a :class:`KeyedProcessFunction`, in plain Python (no Spark).
+
+One call of :meth:`KeyedRuntime.process` handles one key in one micro-batch (or, bounded, the
+key's whole input): it restores the key's state from bytes, drops duplicate deliveries, sends
+late elements aside, buffers the rest, then delivers every buffered element and fires every
+timer the watermark has passed, in event-time order (see ``function`` for the rules). It
+returns the outputs, the late elements, the new state bytes (None: nothing left for the key)
+and when the key must be woken up again (the earliest buffered element, timer or TTL expiry).
+The Spark binding maps that wake-up onto Spark's group-state timeout.
+"""
+
+from __future__ import annotations
+
+import heapq
+import pickle
+from collections import namedtuple
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from .function import EVENT_TIME, PROCESSING_TIME, Context, RuntimeContext, TimerService
+from .state import KeyStore, StoreHolder
+
+NEG_INF_MS = -(2**62)
+POS_INF_MS = 2**62
+STATE_FORMAT = 1
+
+
+class _Timers(TimerService):
+    """Timer sets with heaps for ordered firing (registration may happen while firing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._event_heap: list[int] = []
+
+    def load(self, event: Iterable[int], processing: Iterable[int]) -> None:
+        self.event_timers = set(event)
+        self.processing_timers = set(processing)
+        self._event_heap = sorted(self.event_timers)
+
+    def register_event_time_timer(self, timestamp_ms: int) -> None:
+        ts = int(timestamp_ms)
+        if ts not in self.event_timers:
+            self.event_timers.add(ts)
+            heapq.heappush(self._event_heap, ts)
+
+    def next_event_timer(self) -> int | None:
+        heap = self._event_heap
+        while heap and heap[0] not in self.event_timers:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def pop_event_timer(self) -> int:
+        ts = heapq.heappop(self._event_heap)
+        self.event_timers.discard(ts)
+        return ts
+
+
+@dataclass
+class KeyResult:
+    outputs: list[tuple] = field(default_factory=list)
+    late: list[tuple[int, str, tuple]] = field(default_factory=list)  # (event time ms, dedup key, row)
+    inputs: int = 0
+    duplicates: int = 0
+    max_event_time_ms: int | None = None
+    state: bytes | None = None
+    wakeup_ms: int | None = None  # event time at which the key needs the watermark to have arrived
+    processing_wakeup_ms: int | None = None
+
+
+class KeyedRuntime:
+    """Runs one function instance over the keys of one worker, one key at a time."""
+
+    def __init__(self, function_class: type, payload_columns: Sequence[str], output_columns: Sequence[str],
+                 dedup_ttl_ms: int):
+        self.holder = StoreHolder()
+        runtime_ctx = RuntimeContext(self.holder)
+        self.function = function_class()
+        self.function.open(runtime_ctx)
+        self.descriptors = runtime_ctx.descriptors
+        self.timers = _Timers()
+        self.ctx = Context(self.timers)
+        self.Event = namedtuple("Event", payload_columns, rename=True)
+        self.output_columns = list(output_columns)
+        self._width = len(self.output_columns)
+        self.dedup_ttl_ms = dedup_ttl_ms
+
+    # -- one key -------------------------------------------------------------------------
+    def process(self, key: tuple, state: bytes | None, events: Iterable[tuple[int, str, tuple]],
+                watermark_ms: int, processing_time_ms: int, *, bounded: bool = False) -> KeyResult:
+        """``events``: (event time ms, dedup key, payload row) in arrival order.
+
+        Stream: ``watermark_ms`` is the batch's watermark. Bounded: every element is on time and
+        at the end every timer fires (``watermark_ms`` is ignored).
+        """
+        saved = pickle.loads(state) if state else {}
+        store = KeyStore(saved.get("store"))
+        self.holder.store = store
+        self.timers.load(saved.get("et", ()), saved.get("pt", ()))
+        buffer: list[tuple[int, str, tuple]] = saved.get("buf", [])
+        seen: dict[str, int] = saved.get("seen", {})
+        result = KeyResult()
+        self.ctx.key = key
+        self.timers.processing_time_ms = processing_time_ms
+        self.timers.watermark_ms = NEG_INF_MS if bounded else watermark_ms
+        limit = POS_INF_MS if bounded else watermark_ms
+
+        arrived = False
+        for t, event_id, row in events:
+            result.inputs += 1
+            result.max_event_time_ms = t if result.max_event_time_ms is None else max(result.max_event_time_ms, t)
+            if event_id in seen:
+                result.duplicates += 1
+                continue
+            seen[event_id] = max(t, watermark_ms if not bounded else t) + self.dedup_ttl_ms
+            if not bounded and t <= watermark_ms:
+                result.late.append((t, event_id, row))
+                continue
+            buffer.append((t, event_id, row))
+            arrived = True
+        if arrived:
+            buffer.sort(key=lambda e: (e[0], e[1]))
+
+        clock = self._advance(buffer, limit, result.outputs)
+        # The key's event-time clock from here on: the watermark (every element up to it has been
+        # delivered) or, bounded, the last element or timer.
+        horizon = clock if bounded else watermark_ms
+        if bounded:
+            self.timers.watermark_ms = POS_INF_MS
+            for ts in sorted(self.timers.processing_timers):  # end of input: pending processing-time timers fire once
+                self._fire(ts, horizon, result.outputs)
+            self.timers.processing_timers.clear()
+        else:
+            while self.timers.processing_timers and min(self.timers.processing_timers) <= processing_time_ms:
+                self._fire(min(self.timers.processing_timers), horizon, result.outputs)
+
+        store.expire(self.descriptors, horizon)
+        seen = {k: v for k, v in seen.items() if v > horizon}
+        self._finish(result, store, buffer, seen, bounded)
+        return result
+
+    def _advance(self, buffer: list, limit: int, outputs: list) -> int:
+        """Deliver buffered elements and fire event-time timers up to ``limit``, in time order.
+        Returns the event-time clock reached (the last element or timer time)."""
+        clock = NEG_INF_MS
+        i = 0
+        while True:
+            timer = self.timers.next_event_timer()
+            element = buffer[i] if i < len(buffer) and buffer[i][0] <= limit else None
+            if timer is not None and timer <= limit and (element is None or timer < element[0]):
+                ts = self.timers.pop_event_timer()
+                clock = max(clock, ts)
+                self._call(self.function.on_timer(ts, self._at(ts, EVENT_TIME)), outputs)
+            elif element is not None:
+                i += 1
+                clock = max(clock, element[0])
+                value = self.Event(*element[2])
+                self._call(self.function.process_element(value, self._at(element[0], EVENT_TIME)), outputs)
+            else:
+                break
+        del buffer[:i]
+        return clock
+
+    def _fire(self, ts: int, clock: int, outputs: list) -> None:
+        """Fire processing-time timer ``ts``; state TTL still follows the event-time ``clock``."""
+        self.timers.processing_timers.discard(ts)
+        self._at(ts, PROCESSING_TIME)
+        self.holder.store.now_ms = clock
+        self._call(self.function.on_timer(ts, self.ctx), outputs)
+
+    def _at(self, ts: int, domain: str) -> Context:
+        self.ctx.timestamp_ms = ts
+        self.ctx.time_domain = domain
+        self.holder.store.now_ms = ts
+        return self.ctx
+
+    def _call(self, produced: Any, outputs: list) -> None:
+        if produced is None:
+            return
+        for row in produced:
+            outputs.append(self._row(row))
+
+    def _row(self, row: Any) -> tuple:
+        if isinstance(row, dict):
+            unknown = set(row) - set(self.output_columns)
+            if unknown:
+                raise ValueError(f"output row has unknown column(s) {sorted(unknown)}; the output schema is {self.output_columns}")
+            return tuple(row.get(c) for c in self.output_columns)
+        values = tuple(row)
+        if len(values) != self._width:
+            raise ValueError(f"output row {values!r} has {len(values)} values; the output schema has {self.output_columns}")
+        return values
+
+    def _finish(self, result: KeyResult, store: KeyStore, buffer: list, seen: dict, bounded: bool) -> None:
+        if bounded:
+            return
+        pending = [buffer[0][0]] if buffer else []
+        timer = self.timers.next_event_timer()
+        if timer is not None:
+            pending.append(timer)
+        expiry = store.next_expiry_ms(self.descriptors)
+        if expiry is not None:
+            pending.append(expiry)
+        if not pending and seen:
+            pending.append(max(seen.values()))  # only remembered ids are left: wake up to forget the key
+        result.wakeup_ms = min(pending) if pending else None
+        result.processing_wakeup_ms = min(self.timers.processing_timers) if self.timers.processing_timers else None
+        if store.is_empty() and not buffer and not seen and not self.timers.event_timers and not self.timers.processing_timers:
+            result.state = None
+            return
+        result.state = pickle.dumps(
+            {"format": STATE_FORMAT, "store": store.dump(), "et": sorted(self.timers.event_timers),
+             "pt": sorted(self.timers.processing_timers), "buf": buffer, "seen": seen},
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
+
+    @staticmethod
+    def state_summary(state: bytes | None) -> dict:
+        """Sizes of a key's state (tests, inspection): entries per kind, timers, buffer, ids."""
+        if not state:
+            return {}
+        saved = pickle.loads(state)
+        store = saved["store"]
+        return {
+            "values": len(store["v"]),
+            "list_entries": sum(len(v) for v in store["l"].values()),
+            "map_entries": sum(len(v) for v in store["m"].values()),
+            "event_timers": len(saved["et"]),
+            "processing_timers": len(saved["pt"]),
+            "buffered": len(saved["buf"]),
+            "remembered_ids": len(saved["seen"]),
+            "bytes": len(state),
+        }

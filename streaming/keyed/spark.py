@@ -1,0 +1,287 @@
+"""Spark 3.5 binding of the keyed runtime: ``applyInPandasWithState`` (stream) and
+``applyInPandas`` (bounded), on the RocksDB state store.
+
+One streaming query per job. Valid events are transformed, keyed and handed to the runtime;
+invalid lines travel in the same query under a NULL key (the runtime passes them through as
+quarantine rows), so one checkpoint and one ``foreachBatch`` cover every output. Each key's state
+is one binary value (the runtime's pickled state). Event-time wake-ups use Spark's
+``EventTimeTimeout`` (a key times out once the watermark passes ``wake-up - 1``); jobs with
+processing-time timers use ``ProcessingTimeTimeout`` and poll for event time at each batch.
+
+Spark drops rows behind the watermark before an ``EventTimeTimeout`` state function sees them, by
+the input column that carries the watermark. The input therefore carries the watermark on a
+constant far-future column (``_never_late``): the query keeps its watermark and its timeouts,
+and a late event reaches the runtime, which sends it to the late side output instead of
+dropping it silently.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import date, datetime, timezone
+from decimal import Decimal
+from typing import Iterator
+
+import pandas as pd
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+from pyspark.sql.streaming.state import GroupStateTimeout
+
+from ..declaration import KeyedJob
+from ..errors import DeclarationError
+from .function import PROCESSING_TIME
+from .runtime import KeyedRuntime
+
+_NEVER_LATE = "_never_late"
+_STATE_SCHEMA = "blob binary"
+PAYLOAD, OUT, KEY = "_p_", "_o_", "_k_"
+
+
+def _transformed(job: KeyedJob, parsed: DataFrame, *, watermark: bool) -> DataFrame:
+    valid = parsed.where(F.col("_reason").isNull()).drop("_raw", "_reason")
+    if watermark:
+        valid = valid.withWatermark(job.source.event_time, f"{job.watermark.out_of_orderness_ms} milliseconds")
+    out = job.transform(valid)
+    missing = [c for c in (*job.keys, job.source.event_time, job.source.dedup_key) if c not in out.columns]
+    if missing:
+        raise DeclarationError(
+            f"job {job.name}: transform output lacks column(s) {missing}; it must keep the keys, the event-time "
+            "column and the dedup key"
+        )
+    return out
+
+
+def _empty_parsed(spark, job: KeyedJob) -> DataFrame:
+    from ..engine import parse_sources
+    from ..tables import RAW_SCHEMA
+
+    return parse_sources(job, spark.createDataFrame([], RAW_SCHEMA))
+
+
+def schemas(spark, job: KeyedJob) -> tuple[T.StructType, T.StructType]:
+    """(main table schema, late side output schema)."""
+    main = T._parse_datatype_string(job.output)  # noqa: SLF001 - Spark's own DDL parser
+    payload = _transformed(job, _empty_parsed(spark, job), watermark=False).schema
+    late = T.StructType(
+        [T.StructField(k, payload[k].dataType) for k in job.keys]
+        + [
+            T.StructField(job.source.dedup_key, T.StringType()),
+            T.StructField(job.source.event_time, T.TimestampType()),
+            T.StructField("watermark_ms", T.LongType()),
+            T.StructField("late_by_ms", T.LongType()),
+            T.StructField("event", T.StringType()),
+        ]
+    )
+    return main, late
+
+
+def _output_schema(job: KeyedJob, main: T.StructType, payload: T.StructType) -> T.StructType:
+    fields = [T.StructField("_kind", T.StringType())]
+    fields += [T.StructField(KEY + k, payload[k].dataType) for k in job.keys]
+    fields += [T.StructField(OUT + f.name, f.dataType) for f in main.fields]
+    fields += [T.StructField(n, t) for n, t in (
+        ("_l_t", T.LongType()), ("_l_id", T.StringType()), ("_l_event", T.StringType()), ("_l_wm", T.LongType()),
+        ("_q_src", T.StringType()), ("_q_file", T.StringType()), ("_q_raw", T.StringType()), ("_q_reason", T.StringType()),
+        ("_s_in", T.LongType()), ("_s_dup", T.LongType()), ("_s_max_t", T.LongType()),
+    )]
+    return T.StructType(fields)
+
+
+def _inputs(job: KeyedJob, parsed: DataFrame, *, stream: bool) -> tuple[DataFrame, T.StructType]:
+    """Valid transformed events and invalid lines as one frame keyed by ``job.keys``."""
+    events = _transformed(job, parsed, watermark=stream)
+    payload = events.schema
+    t_ms = F.unix_millis(F.col(job.source.event_time))
+    cols = [
+        *[F.col(k) for k in job.keys],
+        t_ms.alias("_t"),
+        F.col(job.source.dedup_key).cast("string").alias("_id"),
+        # An explicit, empty metadata: the event time must not be taken for the watermark column.
+        *[F.col(c).alias(PAYLOAD + c, metadata={}) for c in payload.names],
+        F.lit(None).cast("string").alias("_raw"), F.lit(None).cast("string").alias("_reason"),
+        F.lit(None).cast("string").alias("_src"), F.lit(None).cast("string").alias("_file"),
+    ]
+    bad = parsed.where(F.col("_reason").isNotNull()).select(
+        *[F.lit(None).cast(payload[k].dataType).alias(k) for k in job.keys],
+        F.lit(None).cast("long").alias("_t"), F.lit(None).cast("string").alias("_id"),
+        *[F.lit(None).cast(f.dataType).alias(PAYLOAD + f.name) for f in payload.fields],
+        F.col("_raw"), F.col("_reason"), F.col("source").alias("_src"), F.col("source_file").alias("_file"),
+    )
+    if stream:
+        never = F.lit("9999-12-31 00:00:00").cast("timestamp").alias(
+            _NEVER_LATE, metadata={"spark.watermarkDelayMs": job.watermark.out_of_orderness_ms}
+        )
+        return events.select(never, *cols).unionByName(bad.select(F.lit(None).cast("timestamp").alias(_NEVER_LATE), *bad.columns)), payload
+    return events.select(*cols).unionByName(bad), payload
+
+
+def _py(value, kind: str):
+    if value is None or (not isinstance(value, (str, bytes, Decimal, list, dict)) and pd.isna(value)):
+        return None
+    if kind == "timestamp":
+        return pd.Timestamp(value).to_pydatetime().replace(tzinfo=timezone.utc)
+    if kind == "int":
+        return int(value)
+    if kind == "float":
+        return float(value)
+    return value
+
+
+def _kind_of(dtype: T.DataType) -> str:
+    if isinstance(dtype, (T.TimestampType, T.TimestampNTZType)):
+        return "timestamp"
+    if isinstance(dtype, (T.ByteType, T.ShortType, T.IntegerType, T.LongType)):
+        return "int"
+    if isinstance(dtype, (T.FloatType, T.DoubleType)):
+        return "float"
+    return "other"
+
+
+def _json_default(value):
+    if isinstance(value, datetime):
+        return value.isoformat().replace("+00:00", "Z")
+    if isinstance(value, (Decimal, date)):
+        return str(value)
+    return str(value)
+
+
+class _Adapter:
+    """Pandas in, pandas out, around one :class:`KeyedRuntime` per Python worker."""
+
+    def __init__(self, job: KeyedJob, payload: T.StructType, main: T.StructType, output: T.StructType):
+        self.job = job
+        self.payload_names = payload.names
+        self.payload_kinds = [_kind_of(f.dataType) for f in payload.fields]
+        self.main = main
+        self.output_names = output.names
+        self.dedup_ttl_ms = int(job.dedup_ttl.total_seconds() * 1000)
+        self._runtime: KeyedRuntime | None = None
+
+    @property
+    def runtime(self) -> KeyedRuntime:
+        if self._runtime is None:
+            self._runtime = KeyedRuntime(self.job.function, self.payload_names, self.main.names, self.dedup_ttl_ms)
+        return self._runtime
+
+    def events(self, pdf: pd.DataFrame | None) -> list[tuple[int, str, tuple]]:
+        if pdf is None or pdf.empty:
+            return []
+        columns = [[_py(v, kind) for v in pdf[PAYLOAD + name].tolist()]
+                   for name, kind in zip(self.payload_names, self.payload_kinds)]
+        rows = list(zip(*columns)) if columns else [()] * len(pdf)
+        return list(zip((int(t) for t in pdf["_t"].tolist()), pdf["_id"].tolist(), rows))
+
+    def quarantine(self, pdf: pd.DataFrame) -> pd.DataFrame:
+        rows = [{"_kind": "q", "_q_src": s, "_q_file": f, "_q_raw": r, "_q_reason": why}
+                for s, f, r, why in zip(pdf["_src"], pdf["_file"], pdf["_raw"], pdf["_reason"])]
+        return self.frame(rows)
+
+    def result_frame(self, key: tuple, result) -> pd.DataFrame:
+        keys = {KEY + k: v for k, v in zip(self.job.keys, key)}
+        rows = [{"_kind": "out", **keys, **dict(zip((OUT + n for n in self.main.names), out))} for out in result.outputs]
+        for t, event_id, payload in result.late:
+            event = json.dumps(dict(zip(self.payload_names, payload)), default=_json_default, sort_keys=True)
+            rows.append({"_kind": "late", **keys, "_l_t": t, "_l_id": event_id, "_l_event": event})
+        if result.inputs:
+            rows.append({"_kind": "stats", "_s_in": result.inputs, "_s_dup": result.duplicates,
+                         "_s_max_t": result.max_event_time_ms})
+        return self.frame(rows)
+
+    def frame(self, rows: list[dict]) -> pd.DataFrame:
+        pdf = pd.DataFrame(rows, columns=self.output_names)
+        for f in self.main.fields:
+            name = OUT + f.name
+            if isinstance(f.dataType, T.TimestampType):
+                values = pdf[name].map(lambda v: v if v is None or isinstance(v, datetime) else
+                                       datetime.fromtimestamp(int(v) / 1000, tz=timezone.utc))
+                pdf[name] = pd.to_datetime(values, utc=True).dt.tz_localize(None)
+            elif isinstance(f.dataType, T.DecimalType):
+                quantum = Decimal(1).scaleb(-f.dataType.scale)
+                pdf[name] = pdf[name].map(lambda v: None if v is None else Decimal(v).quantize(quantum))
+        return pdf
+
+
+def stream_frame(job: KeyedJob, parsed: DataFrame) -> DataFrame:
+    """The keyed streaming query's output: rows of kind out | late | q | stats."""
+    spark = parsed.sparkSession
+    main, _ = schemas(spark, job)
+    frame, payload = _inputs(job, parsed, stream=True)
+    output = _output_schema(job, main, payload)
+    adapter = _Adapter(job, payload, main, output)
+    processing = job.timers == PROCESSING_TIME
+
+    def process(key, pdfs: Iterator[pd.DataFrame], state):
+        parts = [p for p in pdfs if len(p)]
+        pdf = pd.concat(parts, ignore_index=True) if parts else None
+        if all(k is None for k in key):  # invalid lines travel under the NULL key
+            if pdf is not None:
+                yield adapter.quarantine(pdf)
+            return
+        watermark = state.getCurrentWatermarkMs()
+        blob = bytes(state.get[0]) if state.exists else None
+        result = adapter.runtime.process(tuple(key), blob, adapter.events(pdf), watermark,
+                                         state.getCurrentProcessingTimeMs())
+        if result.state is None:
+            if state.exists:
+                state.remove()
+        else:
+            state.update((result.state,))
+            if processing:
+                waits = []
+                if result.processing_wakeup_ms is not None:
+                    waits.append(result.processing_wakeup_ms - state.getCurrentProcessingTimeMs())
+                if result.wakeup_ms is not None:
+                    waits.append(1)  # poll: event time advances only with the next batch's watermark
+                if waits:
+                    state.setTimeoutDuration(max(1, min(waits)))
+            elif result.wakeup_ms is not None:
+                state.setTimeoutTimestamp(max(result.wakeup_ms - 1, watermark, 1))
+        yield adapter.result_frame(tuple(key), result)
+
+    timeout = GroupStateTimeout.ProcessingTimeTimeout if processing else GroupStateTimeout.EventTimeTimeout
+    return frame.groupBy(*job.keys).applyInPandasWithState(process, output, _STATE_SCHEMA, "append", timeout)
+
+
+def bounded_frame(job: KeyedJob, parsed: DataFrame) -> DataFrame:
+    """The bounded twin: every key's whole input through the same runtime, perfect watermark."""
+    spark = parsed.sparkSession
+    main, _ = schemas(spark, job)
+    frame, payload = _inputs(job, parsed, stream=False)
+    output = _output_schema(job, main, payload)
+    adapter = _Adapter(job, payload, main, output)
+    started_ms = int(time.time() * 1000)
+
+    def process(key, pdf: pd.DataFrame) -> pd.DataFrame:
+        if all(k is None for k in key):
+            return adapter.quarantine(pdf)
+        result = adapter.runtime.process(tuple(key), None, adapter.events(pdf), 0, started_ms, bounded=True)
+        return adapter.result_frame(tuple(key), result)
+
+    return frame.groupBy(*job.keys).applyInPandas(process, output)
+
+
+def split(job: KeyedJob, frame: DataFrame, main: T.StructType, watermark_ms: int | None = None) -> dict[str, DataFrame]:
+    """The runtime's output rows by destination: main, late, quarantine (per source), stats."""
+    keys = [F.col(KEY + k).alias(k) for k in job.keys]
+    out = frame.where(F.col("_kind") == "out").select(*[F.col(OUT + f.name).alias(f.name) for f in main.fields])
+    late = frame.where(F.col("_kind") == "late").select(
+        *keys,
+        F.col("_l_id").alias(job.source.dedup_key),
+        F.timestamp_millis(F.col("_l_t")).alias(job.source.event_time),
+        F.lit(watermark_ms).cast("long").alias("watermark_ms"),
+        (F.lit(watermark_ms) - F.col("_l_t")).cast("long").alias("late_by_ms"),
+        F.col("_l_event").alias("event"),
+    )
+    bad = frame.where(F.col("_kind") == "q")
+    quarantine = {
+        s.name: bad.where(F.col("_q_src") == s.name).groupBy(
+            F.col("_q_src").alias("source"), F.col("_q_file").alias("source_file"), F.col("_q_raw").alias("raw_line")
+        ).agg(F.first("_q_reason").alias("reason"), F.count(F.lit(1)).alias("occurrences")).withColumn(
+            "detected_by", F.lit(job.name)
+        )
+        for s in job.sources
+    }
+    stats = frame.where(F.col("_kind") == "stats")
+    return {"main": out, "late": late, "stats": stats, **{f"quarantine:{k}": v for k, v in quarantine.items()}}

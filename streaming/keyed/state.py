@@ -1,0 +1,252 @@
+"""Keyed state, as Flink's ``ValueState``/``ListState``/``MapState`` with a ``StateTtlConfig``.
+
+A descriptor names a state variable and declares its type (recorded in the job's shape, so a
+change is detected before a checkpoint is resumed). ``RuntimeContext.get_state(descriptor)``
+returns a handle; the handle always reads and writes the state of the *current key* (the key
+whose element or timer is being processed), as in Flink.
+
+**TTL is in event time** (Flink's TTL counts processing time): an entry written at event time
+``t`` (the timestamp of the element or timer being processed) is expired from ``t + ttl`` on.
+Expired entries are never returned, and they are removed when touched and when the key's
+invocation ends. Event-time TTL keeps stream and bounded runs identical; a processing-time TTL
+would make a backfill differ from the stream that it recomputes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterator
+
+from ..durations import format_duration, to_ms
+from ..errors import DeclarationError
+
+# When the TTL clock of an entry restarts (Flink's StateTtlConfig.UpdateType).
+ON_CREATE_AND_WRITE = "OnCreateAndWrite"
+ON_READ_AND_WRITE = "OnReadAndWrite"
+
+
+@dataclass(frozen=True)
+class TtlConfig:
+    """Expire a state entry ``ttl`` of event time after it was last written (or read)."""
+
+    ttl: timedelta
+    update_type: str = ON_CREATE_AND_WRITE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ttl, timedelta) or self.ttl <= timedelta(0):
+            raise DeclarationError(f"TtlConfig.ttl must be a positive timedelta, got {self.ttl!r}")
+        if self.update_type not in (ON_CREATE_AND_WRITE, ON_READ_AND_WRITE):
+            raise DeclarationError(
+                f"TtlConfig.update_type must be ON_CREATE_AND_WRITE or ON_READ_AND_WRITE, got {self.update_type!r}"
+            )
+
+    @property
+    def ttl_ms(self) -> int:
+        return to_ms(self.ttl)
+
+    def describe(self) -> str:
+        return f"ttl={format_duration(self.ttl)}/{self.update_type}"
+
+
+@dataclass(frozen=True)
+class _Descriptor:
+    name: str
+    type: str  # Spark SQL type of the value(s), e.g. "decimal(18,2)", "long", "struct<t:long,a:double>"
+    ttl: TtlConfig | None = None
+
+    kind = "value"
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier():
+            raise DeclarationError(f"state name {self.name!r} must be an identifier, e.g. 'previous_amount'")
+        if not isinstance(self.type, str) or not self.type.strip():
+            raise DeclarationError(f"state {self.name}: type must be a Spark SQL type string, e.g. 'decimal(18,2)'")
+
+    def describe(self) -> str:
+        ttl = f", {self.ttl.describe()}" if self.ttl else ""
+        return f"{self.kind} {self.name}: {self.type}{ttl}"
+
+
+@dataclass(frozen=True)
+class ValueStateDescriptor(_Descriptor):
+    kind = "value"
+
+
+@dataclass(frozen=True)
+class ListStateDescriptor(_Descriptor):
+    kind = "list"
+
+
+@dataclass(frozen=True)
+class MapStateDescriptor(_Descriptor):
+    key_type: str = "string"
+    kind = "map"
+
+
+class KeyStore:
+    """All state of one key: values, lists, maps (entries with their TTL stamp), as plain data.
+
+    ``now_ms`` is the event time of what is being processed; the runtime sets it.
+    """
+
+    def __init__(self, data: dict | None = None):
+        data = data or {}
+        self.values: dict[str, tuple[Any, int]] = data.get("v", {})
+        self.lists: dict[str, list[tuple[Any, int]]] = data.get("l", {})
+        self.maps: dict[str, dict[Any, tuple[Any, int]]] = data.get("m", {})
+        self.now_ms = 0
+
+    def dump(self) -> dict:
+        return {"v": self.values, "l": self.lists, "m": self.maps}
+
+    def is_empty(self) -> bool:
+        return not (self.values or any(self.lists.values()) or any(self.maps.values()))
+
+    def expire(self, descriptors: dict[str, _Descriptor], now_ms: int) -> None:
+        """Drop every entry whose TTL has passed at event time ``now_ms``."""
+        for name, d in descriptors.items():
+            if d.ttl is None:
+                continue
+            limit = now_ms - d.ttl.ttl_ms
+            if name in self.values and self.values[name][1] <= limit:
+                del self.values[name]
+            if name in self.lists:
+                self.lists[name] = [e for e in self.lists[name] if e[1] > limit]
+                if not self.lists[name]:
+                    del self.lists[name]
+            if name in self.maps:
+                self.maps[name] = {k: e for k, e in self.maps[name].items() if e[1] > limit}
+                if not self.maps[name]:
+                    del self.maps[name]
+
+    def next_expiry_ms(self, descriptors: dict[str, _Descriptor]) -> int | None:
+        """The earliest event time at which some entry expires (None: nothing expires)."""
+        soonest = None
+        for name, d in descriptors.items():
+            if d.ttl is None:
+                continue
+            stamps = []
+            if name in self.values:
+                stamps.append(self.values[name][1])
+            stamps += [e[1] for e in self.lists.get(name, ())]
+            stamps += [e[1] for e in self.maps.get(name, {}).values()]
+            if stamps:
+                at = min(stamps) + d.ttl.ttl_ms
+                soonest = at if soonest is None else min(soonest, at)
+        return soonest
+
+
+class _Handle:
+    def __init__(self, descriptor: _Descriptor, holder: "StoreHolder"):
+        self.descriptor = descriptor
+        self._holder = holder
+
+    @property
+    def _store(self) -> KeyStore:
+        return self._holder.store
+
+    def _alive(self, stamp: int) -> bool:
+        ttl = self.descriptor.ttl
+        return ttl is None or self._store.now_ms < stamp + ttl.ttl_ms
+
+    def _touch_on_read(self) -> bool:
+        ttl = self.descriptor.ttl
+        return ttl is not None and ttl.update_type == ON_READ_AND_WRITE
+
+
+class StoreHolder:
+    """Points the handles at the store of the key being processed."""
+
+    store: KeyStore = KeyStore()
+
+
+class ValueState(_Handle):
+    def value(self) -> Any:
+        """The value, or None when unset or expired."""
+        entry = self._store.values.get(self.descriptor.name)
+        if entry is None or not self._alive(entry[1]):
+            return None
+        if self._touch_on_read():
+            self._store.values[self.descriptor.name] = (entry[0], self._store.now_ms)
+        return entry[0]
+
+    def update(self, value: Any) -> None:
+        if value is None:
+            self.clear()
+        else:
+            self._store.values[self.descriptor.name] = (value, self._store.now_ms)
+
+    def clear(self) -> None:
+        self._store.values.pop(self.descriptor.name, None)
+
+
+class ListState(_Handle):
+    def _entries(self) -> list[tuple[Any, int]]:
+        return [e for e in self._store.lists.get(self.descriptor.name, ()) if self._alive(e[1])]
+
+    def get(self) -> list:
+        """The live elements, oldest first."""
+        entries = self._entries()
+        if self._touch_on_read() and entries:
+            entries = [(v, self._store.now_ms) for v, _ in entries]
+            self._store.lists[self.descriptor.name] = entries
+        return [v for v, _ in entries]
+
+    def __iter__(self) -> Iterator:
+        return iter(self.get())
+
+    def add(self, value: Any) -> None:
+        self._store.lists.setdefault(self.descriptor.name, []).append((value, self._store.now_ms))
+
+    def add_all(self, values) -> None:
+        for value in values:
+            self.add(value)
+
+    def update(self, values) -> None:
+        """Replace the list (every element gets a fresh TTL stamp)."""
+        self._store.lists[self.descriptor.name] = [(v, self._store.now_ms) for v in values]
+
+    def clear(self) -> None:
+        self._store.lists.pop(self.descriptor.name, None)
+
+
+class MapState(_Handle):
+    def _map(self) -> dict:
+        return self._store.maps.setdefault(self.descriptor.name, {})
+
+    def get(self, key: Any) -> Any:
+        entry = self._store.maps.get(self.descriptor.name, {}).get(key)
+        if entry is None or not self._alive(entry[1]):
+            return None
+        if self._touch_on_read():
+            self._map()[key] = (entry[0], self._store.now_ms)
+        return entry[0]
+
+    def put(self, key: Any, value: Any) -> None:
+        self._map()[key] = (value, self._store.now_ms)
+
+    def contains(self, key: Any) -> bool:
+        entry = self._store.maps.get(self.descriptor.name, {}).get(key)
+        return entry is not None and self._alive(entry[1])
+
+    def remove(self, key: Any) -> None:
+        self._store.maps.get(self.descriptor.name, {}).pop(key, None)
+
+    def items(self) -> list[tuple[Any, Any]]:
+        return [(k, e[0]) for k, e in self._store.maps.get(self.descriptor.name, {}).items() if self._alive(e[1])]
+
+    def keys(self) -> list:
+        return [k for k, _ in self.items()]
+
+    def values(self) -> list:
+        return [v for _, v in self.items()]
+
+    def is_empty(self) -> bool:
+        return not self.items()
+
+    def clear(self) -> None:
+        self._store.maps.pop(self.descriptor.name, None)
+
+
+HANDLES = {"value": ValueState, "list": ListState, "map": MapState}
