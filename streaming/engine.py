@@ -104,8 +104,9 @@ def assign_windows(frame: DataFrame, job: WindowedJob, time_ms: Column) -> DataF
     size, every = window.size_ms, window.every_ms
     last = time_ms - F.pmod(time_ms, F.lit(every))
     if isinstance(window, Sliding) and window.windows_per_event > 1:
-        back = F.explode(F.sequence(F.lit(0), F.lit(window.windows_per_event - 1)))
-        frame = frame.withColumn(WS, last - back * F.lit(every)).where(F.col(WS) + F.lit(size) > time_ms)
+        frame = frame.withColumn("_back", F.explode(F.sequence(F.lit(0), F.lit(window.windows_per_event - 1))))
+        frame = frame.withColumn(WS, last - F.col("_back") * F.lit(every)).drop("_back")
+        frame = frame.where(F.col(WS) + F.lit(size) > time_ms)
     else:
         frame = frame.withColumn(WS, last)
     return frame.withColumn(WE, F.col(WS) + F.lit(size))

@@ -128,6 +128,9 @@ def prepare_environment(local: bool = True) -> None:
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     os.environ.setdefault("PYARROW_IGNORE_TIMEZONE", "1")
+    # pyspark's own pandas serializer concatenates frames with all-NULL columns (keyed outputs of
+    # one kind leave the other kinds' columns NULL); pandas 2.2 warns about it on every batch.
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning:pyspark.sql.pandas.serializers")
     if local:
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 

@@ -39,9 +39,12 @@ def _with_warehouse(settings: Settings, warehouse: Path) -> Settings:
 _WAREHOUSE: list[Path] = []
 
 
-def drop_job_tables(spark) -> None:
-    """Empty the shared Iceberg warehouse of every lakestream table."""
-    for namespace in ("payments", "quarantine", "fraud", "logins", "ops"):
+NAMESPACES = ("payments", "quarantine", "fraud", "logins", "ops", "test")
+
+
+def drop_job_tables(spark, namespaces: tuple[str, ...] = NAMESPACES) -> None:
+    """Empty the shared Iceberg warehouse of lakestream tables (of ``namespaces``)."""
+    for namespace in namespaces:
         if spark.sql(f"SHOW NAMESPACES IN lake LIKE '{namespace}'").count():
             for row in spark.sql(f"SHOW TABLES IN lake.{namespace}").collect():
                 spark.sql(f"DROP TABLE IF EXISTS lake.{namespace}.{row.tableName} PURGE")

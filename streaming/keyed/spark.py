@@ -98,8 +98,8 @@ def _inputs(job: KeyedJob, parsed: DataFrame, *, stream: bool) -> tuple[DataFram
         *[F.col(k) for k in job.keys],
         t_ms.alias("_t"),
         F.col(job.source.dedup_key).cast("string").alias("_id"),
-        # An explicit, empty metadata: the event time must not be taken for the watermark column.
-        *[F.col(c).alias(PAYLOAD + c, metadata={}) for c in payload.names],
+        # Explicit metadata replaces the watermark marker the event-time column carries.
+        *[F.col(c).alias(PAYLOAD + c, metadata={"lakestream": "payload"}) for c in payload.names],
         F.lit(None).cast("string").alias("_raw"), F.lit(None).cast("string").alias("_reason"),
         F.lit(None).cast("string").alias("_src"), F.lit(None).cast("string").alias("_file"),
     ]
@@ -113,7 +113,7 @@ def _inputs(job: KeyedJob, parsed: DataFrame, *, stream: bool) -> tuple[DataFram
         never = F.lit("9999-12-31 00:00:00").cast("timestamp").alias(
             _NEVER_LATE, metadata={"spark.watermarkDelayMs": job.watermark.out_of_orderness_ms}
         )
-        return events.select(never, *cols).unionByName(bad.select(F.lit(None).cast("timestamp").alias(_NEVER_LATE), *bad.columns)), payload
+        return events.select(never, *cols).unionByName(bad.select(never, *bad.columns)), payload
     return events.select(*cols).unionByName(bad), payload
 
 
@@ -155,6 +155,7 @@ class _Adapter:
         self.payload_names = payload.names
         self.payload_kinds = [_kind_of(f.dataType) for f in payload.fields]
         self.main = main
+        self.output = output
         self.output_names = output.names
         self.dedup_ttl_ms = int(job.dedup_ttl.total_seconds() * 1000)
         self._runtime: KeyedRuntime | None = None
@@ -190,17 +191,27 @@ class _Adapter:
         return self.frame(rows)
 
     def frame(self, rows: list[dict]) -> pd.DataFrame:
-        pdf = pd.DataFrame(rows, columns=self.output_names)
-        for f in self.main.fields:
-            name = OUT + f.name
-            if isinstance(f.dataType, T.TimestampType):
-                values = pdf[name].map(lambda v: v if v is None or isinstance(v, datetime) else
-                                       datetime.fromtimestamp(int(v) / 1000, tz=timezone.utc))
-                pdf[name] = pd.to_datetime(values, utc=True).dt.tz_localize(None)
-            elif isinstance(f.dataType, T.DecimalType):
-                quantum = Decimal(1).scaleb(-f.dataType.scale)
-                pdf[name] = pdf[name].map(lambda v: None if v is None else Decimal(v).quantize(quantum))
-        return pdf
+        """Rows (dicts by output column) as a pandas frame Arrow converts to the output schema."""
+        columns = {}
+        for f in self.output.fields:
+            values = [row.get(f.name) for row in rows]
+            columns[f.name] = _column(values, f.dataType)
+        return pd.DataFrame(columns, columns=self.output_names)
+
+
+def _column(values: list, dtype: T.DataType):
+    if isinstance(dtype, T.TimestampType):
+        moments = [None if v is None else v if isinstance(v, datetime) else
+                   datetime.fromtimestamp(int(v) / 1000, tz=timezone.utc) for v in values]
+        return pd.Series(pd.to_datetime(moments, utc=True), dtype="datetime64[ns, UTC]").dt.tz_localize(None)
+    if isinstance(dtype, T.DecimalType):
+        quantum = Decimal(1).scaleb(-dtype.scale)
+        return pd.Series([None if v is None else Decimal(v).quantize(quantum) for v in values], dtype=object)
+    if isinstance(dtype, (T.LongType, T.IntegerType, T.ShortType, T.ByteType)):
+        return pd.array([None if v is None else int(v) for v in values], dtype="Int64")
+    if isinstance(dtype, (T.DoubleType, T.FloatType)):
+        return pd.Series([float("nan") if v is None else float(v) for v in values], dtype="float64")
+    return pd.Series(values, dtype=object)
 
 
 def stream_frame(job: KeyedJob, parsed: DataFrame) -> DataFrame:

@@ -71,7 +71,7 @@ class IcebergSink:
         self.spark.sql(f"CREATE NAMESPACE IF NOT EXISTS {self.table.namespace}")
         columns = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in schema.fields)
         partition = f"PARTITIONED BY (days(`{partition_column}`))" if partition_column else ""
-        text = comment.replace("'", "''")
+        text = comment.replace("\\", "\\\\").replace("'", "\\'")
         self.spark.sql(
             f"CREATE TABLE IF NOT EXISTS {self.table.name} ({columns}) USING iceberg {partition} "
             f"COMMENT '{text}' TBLPROPERTIES ('format-version'='2', 'write.distribution-mode'='hash')"

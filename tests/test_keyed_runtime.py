@@ -1,0 +1,197 @@
+"""The keyed runtime in plain Python (the part Spark's binding calls once per key and batch).
+
+Time is arranged explicitly: ``t0`` is an arbitrary epoch-millisecond origin, elements are
+``(event time, id, payload)`` tuples, and each ``process`` call is one micro-batch with the
+watermark Spark would hand it.
+"""
+
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+
+import pytest
+
+from streaming.keyed import (
+    ON_READ_AND_WRITE,
+    KeyedProcessFunction,
+    ListStateDescriptor,
+    MapStateDescriptor,
+    TtlConfig,
+    ValueStateDescriptor,
+)
+from streaming.keyed.runtime import KeyedRuntime
+
+T0 = 1_795_132_800_000  # 2026-11-20T00:00:00Z
+MIN = 60_000
+KEY = ("k1",)
+
+
+class Recorder(KeyedProcessFunction):
+    """Emits what happens, in order: ('element', t, value) and ('timer', ts, domain)."""
+
+    def open(self, ctx):
+        self.last = ctx.get_state(ValueStateDescriptor("last", "long", ttl=TtlConfig(timedelta(minutes=10))))
+        self.touched = ctx.get_state(ValueStateDescriptor(
+            "touched", "long", ttl=TtlConfig(timedelta(minutes=10), ON_READ_AND_WRITE)))
+        self.seen = ctx.get_state(ListStateDescriptor("seen", "long", ttl=TtlConfig(timedelta(minutes=10))))
+        self.by_value = ctx.get_state(MapStateDescriptor("by_value", "long"))
+
+    def process_element(self, value, ctx):
+        t = ctx.timestamp()
+        yield ("element", t, value.v, self.last.value())
+        self.last.update(value.v)
+        self.seen.add(t)
+        self.by_value.put(value.v, t)
+        if value.v == "timer":
+            ctx.timer_service().register_event_time_timer(t + MIN)
+        if value.v == "ptimer":
+            ctx.timer_service().register_processing_time_timer(ctx.timer_service().current_processing_time() + 5000)
+
+    def on_timer(self, timestamp_ms, ctx):
+        yield ("timer", timestamp_ms, ctx.time_domain, self.last.value())
+
+
+def runtime(fn=Recorder, ttl=timedelta(minutes=30)):
+    return KeyedRuntime(fn, ["v"], ["what", "t", "value", "last"], int(ttl / timedelta(milliseconds=1)))
+
+
+def el(t, i, v):
+    return (t, f"e{i}", (v,))
+
+
+def test_elements_wait_for_the_watermark_and_are_delivered_in_event_time_order():
+    rt = runtime()
+    # batch 0, watermark -inf: nothing can be released yet
+    r0 = rt.process(KEY, None, [el(T0 + 3000, 2, "b"), el(T0 + 1000, 1, "a")], 0, 0)
+    assert r0.outputs == [] and r0.state is not None and r0.wakeup_ms == T0 + 1000
+    # batch 1, watermark T0+2000: only 'a' (t <= W) is released; 'c' arrives out of order
+    r1 = rt.process(KEY, r0.state, [el(T0 + 2500, 3, "c")], T0 + 2000, 0)
+    assert [o[:3] for o in r1.outputs] == [("element", T0 + 1000, "a")]
+    r2 = rt.process(KEY, r1.state, [], T0 + 10_000, 0)
+    assert [o[:3] for o in r2.outputs] == [("element", T0 + 2500, "c"), ("element", T0 + 3000, "b")]
+
+
+def test_an_element_behind_the_watermark_is_late_and_does_not_touch_state():
+    rt = runtime()
+    r = rt.process(KEY, None, [el(T0 + 1000, 1, "x"), el(T0 + 9000, 2, "y")], T0 + 5000, 0)
+    assert [(t, i) for t, i, _ in r.late] == [(T0 + 1000, "e1")]
+    r = rt.process(KEY, r.state, [], T0 + 20_000, 0)
+    assert [o[:4] for o in r.outputs] == [("element", T0 + 9000, "y", None)]  # 'x' never became 'last'
+
+
+def test_duplicate_deliveries_are_dropped_within_the_dedup_ttl_only():
+    rt = runtime(ttl=timedelta(minutes=5))
+    r = rt.process(KEY, None, [el(T0, 1, "a"), el(T0, 1, "a")], T0 - 1, 0)
+    assert r.duplicates == 1
+    r = rt.process(KEY, r.state, [el(T0, 1, "a")], T0 + MIN, 0)  # re-delivered a minute later
+    assert r.duplicates == 1 and not r.late
+    r = rt.process(KEY, r.state, [el(T0 + 7 * MIN, 9, "z")], T0 + 6 * MIN, 0)  # the id is forgotten after 5 min
+    r = rt.process(KEY, r.state, [el(T0 + 8 * MIN, 1, "a")], T0 + 7 * MIN, 0)
+    assert r.duplicates == 0
+
+
+def test_an_event_time_timer_fires_after_elements_at_its_time_and_before_later_ones():
+    #   timer registered for T0+60s by the element at T0:
+    #   T0 ........ T0+60s (element 'at') ... timer(T0+60s) ... T0+61s (element 'after')
+    rt = runtime()
+    r = rt.process(KEY, None, [el(T0, 1, "timer"), el(T0 + MIN, 2, "at"), el(T0 + MIN + 1000, 3, "after")], T0 - 1, 0)
+    r = rt.process(KEY, r.state, [], T0 + 2 * MIN, 0)
+    assert [o[:3] for o in r.outputs] == [
+        ("element", T0, "timer"), ("element", T0 + MIN, "at"), ("timer", T0 + MIN, "event_time"),
+        ("element", T0 + MIN + 1000, "after"),
+    ]
+
+
+def test_a_timer_waits_for_the_watermark_and_wakes_the_key_up():
+    rt = runtime()
+    r = rt.process(KEY, None, [el(T0, 1, "timer")], T0 - 1, 0)
+    r = rt.process(KEY, r.state, [], T0 + 30_000, 0)  # element released, timer (T0+60s) not due
+    assert [o[0] for o in r.outputs] == ["element"] and r.wakeup_ms == T0 + MIN
+    r = rt.process(KEY, r.state, [], T0 + MIN, 0)  # watermark reaches the timer: it fires
+    assert [o[:3] for o in r.outputs] == [("timer", T0 + MIN, "event_time")]
+
+
+def test_processing_time_timers_fire_on_the_batch_clock_and_at_end_of_input_when_bounded():
+    rt = runtime()
+    r = rt.process(KEY, None, [el(T0, 1, "ptimer")], T0 - 1, 100_000)
+    r = rt.process(KEY, r.state, [], T0 + 1, 101_000)  # element delivered; timer set for now + 5s = 106_000
+    assert r.processing_wakeup_ms == 106_000 and [o[0] for o in r.outputs] == ["element"]
+    r = rt.process(KEY, r.state, [], T0 + 1, 105_999)
+    assert r.outputs == []
+    r = rt.process(KEY, r.state, [], T0 + 1, 106_000)
+    assert [o[:3] for o in r.outputs] == [("timer", 106_000, "processing_time")]
+    bounded = runtime().process(KEY, None, [el(T0, 1, "ptimer")], 0, 100_000, bounded=True)
+    assert [o[:3] for o in bounded.outputs] == [("element", T0, "ptimer"), ("timer", 105_000, "processing_time")]
+
+
+def test_ttl_expires_values_lists_and_refreshes_on_read_when_asked():
+    class Probe(Recorder):
+        def process_element(self, value, ctx):
+            if value.v == "read":
+                yield ("read", ctx.timestamp(), self.touched.value(), (self.last.value(), len(self.seen.get())))
+            else:
+                self.last.update(value.v)
+                self.touched.update(value.v)
+                self.seen.add(ctx.timestamp())
+
+    rt = runtime(Probe)
+    ttl = 10 * MIN
+    # write at T0; reads at T0+ttl-1 and T0+2ttl-2 (each refreshes 'touched'), then one at T0+3ttl-2
+    events = [el(T0, 1, "w"), el(T0 + ttl - 1, 2, "read"), el(T0 + 2 * ttl - 2, 3, "read"), el(T0 + 3 * ttl - 2, 4, "read")]
+    r = rt.process(KEY, None, events, 0, 0, bounded=True)
+    # at T0+ttl-1 all alive; the read refreshed 'touched' (OnReadAndWrite) but not 'last' (OnCreateAndWrite)
+    assert r.outputs[0][2:] == ("w", ("w", 1))
+    assert r.outputs[1][2:] == ("w", (None, 0))  # 'last' and the list expired at T0+ttl; 'touched' lives on
+    assert r.outputs[2][2:] == (None, (None, 0))  # 'touched' expired exactly ttl after its last read
+
+
+def test_state_is_removed_when_nothing_is_left_for_the_key():
+    class Forgetful(KeyedProcessFunction):
+        def open(self, ctx):
+            self.v = ctx.get_state(ValueStateDescriptor("v", "long", ttl=TtlConfig(timedelta(minutes=1))))
+
+        def process_element(self, value, ctx):
+            self.v.update(1)
+
+    rt = KeyedRuntime(Forgetful, ["v"], ["x"], 30_000)
+    r = rt.process(KEY, None, [el(T0, 1, 1)], T0 - 1, 0)
+    r = rt.process(KEY, r.state, [], T0 + 1, 0)
+    assert r.state is not None and r.wakeup_ms == T0 + MIN  # woken up when the value expires
+    r = rt.process(KEY, r.state, [], T0 + MIN, 0)
+    assert r.state is None and r.wakeup_ms is None
+
+
+def test_rolling_spend_state_stays_bounded_over_ten_days_of_input():
+    from streaming.jobs.rolling_spend import RollingSpend
+
+    rt = KeyedRuntime(RollingSpend, ["card_id", "event_id", "event_time", "amount"],
+                      ["card_id", "as_of", "spend_24h", "payments_24h", "cause"], 30 * MIN)
+    rng = random.Random(7)
+    state, watermark, sizes, outputs = None, T0, [], 0
+    t = T0
+    for batch in range(10 * 24):  # one batch per hour of event time, ~20 payments per hour
+        events = []
+        for i in range(rng.randint(10, 30)):
+            t += rng.randint(1, 6 * MIN)
+            events.append((t, f"b{batch}-{i}", ("c1", f"b{batch}-{i}", None, 10)))
+        r = rt.process(("c1",), state, events, watermark, 0)  # the watermark of the batch's start
+        watermark = t - 5000
+        state, outputs = r.state, outputs + len(r.outputs)
+        sizes.append(KeyedRuntime.state_summary(state))
+    peak = max(s["list_entries"] for s in sizes)
+    assert outputs > 4000
+    assert peak <= 24 * 60 // 1 + 50  # never more than a day of payments (at most one a minute here)
+    assert max(s["event_timers"] for s in sizes) <= peak + 1
+    assert sizes[-1]["list_entries"] < 24 * 30  # and it does not grow with the length of the input
+    assert max(s["remembered_ids"] for s in sizes[24:]) <= 2 * 30 * 2  # dedup ids of ~30 min only
+
+
+def test_output_rows_must_fit_the_output_schema():
+    class Bad(KeyedProcessFunction):
+        def process_element(self, value, ctx):
+            yield {"nope": 1}
+
+    rt = KeyedRuntime(Bad, ["v"], ["x"], 1000)
+    with pytest.raises(ValueError, match=r"unknown column\(s\) \['nope'\]"):
+        rt.process(KEY, None, [el(T0, 1, 1)], 0, 0, bounded=True)

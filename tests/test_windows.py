@@ -1,0 +1,226 @@
+"""Tumbling, sliding and session windows with allowed lateness, on real streams and Iceberg tables.
+
+Each scenario writes one file per micro-batch (so batch boundaries, and with them the watermark,
+are deterministic), streams it, and compares the table and the late side output with the
+independent oracle in ``oracle_windows`` replaying the same batches. Times are offsets from
+``T0``; the watermark is ``max event time - 10 s``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batch.backfill import backfill
+from streaming.declaration import Agg, Table, Watermark, WindowedJob
+from streaming.durations import from_epoch_ms
+from streaming.runner import run_stream
+from streaming.sources import PAYMENTS
+from streaming.windows import Session, Sliding, Tumbling
+from tests.conftest import drop_job_tables
+from tests.landing import MIN, SEC, T0, payment, with_t, write_batches
+from tests.oracle_windows import Win, bounded_windows, replay_windows
+
+DELAY = 10 * SEC
+SINK = "lake.test.windows"
+
+
+def amounts(frame):
+    return frame.select("user_id", "event_time", "event_id", "amount")
+
+
+def job_for(window, lateness: timedelta) -> WindowedJob:
+    return WindowedJob(
+        name="window_test", sources=(PAYMENTS,), keys=("user_id",), window=window,
+        watermark=Watermark(timedelta(milliseconds=DELAY), allowed_lateness=lateness), transform=amounts,
+        aggregates=(Agg.count("events"), Agg.sum("amount", "amount")), sink=Table(SINK),
+    )
+
+
+def win_of(window) -> Win:
+    if isinstance(window, Session):
+        return Win("session", gap=window.gap_ms)
+    if isinstance(window, Sliding):
+        return Win("sliding", size=window.size_ms, every=window.every_ms)
+    return Win("tumbling", size=window.size_ms)
+
+
+def measure(events):
+    return {"events": len(events), "amount": sum((Decimal(str(e["amount"])) for e in events), Decimal("0"))}
+
+
+def stream(spark, settings, job, batches):
+    write_batches(settings.landing_dir("payments"), batches)
+    settings = settings.with_job(job.name, max_files_per_trigger=1)
+    report = run_stream(spark, settings, job, available_now=True, progress=None, install_signal_handlers=False)
+    return report, read_windows(spark), read_late(spark)
+
+
+def read_windows(spark) -> dict:
+    rows = spark.sql(f"SELECT user_id, unix_millis(window_start) ws, unix_millis(window_end) we, events, amount FROM {SINK}").collect()
+    out = {}
+    for r in rows:
+        assert (r.user_id, r.ws) not in out, f"duplicate window {(r.user_id, r.ws)}"
+        out[(r.user_id, r.ws)] = (r.we, r.events, Decimal(r.amount))
+    return out
+
+
+def read_late(spark) -> list[tuple]:
+    return sorted(
+        (r.event_id, r.user_id, r.ws, r.we)
+        for r in spark.sql(f"SELECT event_id, user_id, unix_millis(window_start) ws, unix_millis(window_end) we "
+                           f"FROM {SINK}_late").collect()
+    )
+
+
+def expected(truth) -> dict:
+    return {k: (v["window_end"], v["events"], v["amount"]) for k, v in truth.table.items()}
+
+
+def oracle_run(job, batches):
+    return replay_windows([with_t(b) for b in batches], win_of(job.window), delay=DELAY,
+                          lateness=job.watermark.allowed_lateness_ms, key=lambda e: e["user_id"], measure=measure)
+
+
+@pytest.fixture
+def lake_home(lake, spark):
+    drop_job_tables(spark, namespaces=("test",))
+    return lake
+
+
+def p(i, offset, user="u1", amount="10.00"):
+    return payment(f"e{i}", T0 + offset, user=user, amount=amount)
+
+
+def test_tumbling_window_fires_on_the_watermark_is_corrected_within_lateness_then_sends_late_aside(spark, lake_home):
+    #   5-minute windows, allowed lateness 2 min:
+    #   [00:00 ------------------ 05:00) [05:00 ------------------ 10:00)
+    #   b0: u1@00:30 u1@04:50 u2@01:00                      W=04:40
+    #   b1: u1@05:20 u2@06:00                               W=05:50 -> [00:00,05:00) fires (u1: 2, u2: 1)
+    #   b2: u1@03:00 (within lateness: 05:00+2m > 05:50)    W=10:50 -> correction u1: 3; [05:00,10:00) fires;
+    #       u2@11:00                                                   [00:00,05:00) purged (07:00 <= 10:50)
+    #   b3: u2@02:00 (late: 07:00 <= 10:50) u1@12:00        W=11:50
+    job = job_for(Tumbling(timedelta(minutes=5)), timedelta(minutes=2))
+    batches = [
+        [p(1, 30 * SEC), p(2, 4 * MIN + 50 * SEC), p(3, 1 * MIN, "u2")],
+        [p(4, 5 * MIN + 20 * SEC), p(5, 6 * MIN, "u2")],
+        [p(6, 3 * MIN), p(7, 11 * MIN, "u2")],
+        [p(8, 2 * MIN, "u2"), p(9, 12 * MIN)],
+    ]
+    report, table, late = stream(spark, lake_home, job, batches)
+    truth = oracle_run(job, batches)
+
+    assert table == expected(truth)
+    assert table[("u1", T0)][1] == 3, "the in-lateness event corrected the fired window"
+    assert late == [("e8", "u2", T0, T0 + 5 * MIN)] == sorted((i, k, s, e) for i, k, s, e in truth.late)
+    assert report.stats.rows_written == truth.writes == 5  # 4 windows, one of them written twice
+    assert report.totals.watermark_out_ms == truth.watermark == T0 + 11 * MIN + 50 * SEC
+
+
+def test_sliding_windows_count_an_event_in_every_window_and_a_late_event_only_where_it_missed(spark, lake_home):
+    #   4-minute windows every 2 minutes, allowed lateness 1 min. u1@03:00 lies in [00:00,04:00) and
+    #   [02:00,06:00). b1 moves W to 06:10, so both have fired when it arrives in b2: it is late for
+    #   [00:00,04:00) (04:00+1m <= 06:10) but within lateness for [02:00,06:00) (06:00+1m > 06:10),
+    #   which it corrects: one late row, one correction.
+    job = job_for(Sliding(timedelta(minutes=4), timedelta(minutes=2)), timedelta(minutes=1))
+    batches = [
+        [p(1, 1 * MIN), p(2, 2 * MIN + 30 * SEC), p(3, 1 * MIN, "u2")],
+        [p(4, 4 * MIN + 10 * SEC), p(5, 6 * MIN + 20 * SEC, "u2")],
+        [p(6, 3 * MIN), p(7, 9 * MIN, "u2")],
+        [p(8, 8 * MIN, "u1"), p(9, 13 * MIN, "u2")],
+    ]
+    report, table, late = stream(spark, lake_home, job, batches)
+    truth = oracle_run(job, batches)
+
+    assert table == expected(truth)
+    assert ("e6", "u1", T0, T0 + 4 * MIN) in late and len([x for x in late if x[0] == "e6"]) == 1
+    assert late == sorted(truth.late)
+    assert table[("u1", T0 + 2 * MIN)][1] == 3  # e2, e4 and the corrected e6
+    assert report.stats.rows_written == truth.writes > len(table)
+
+
+def test_sessions_merge_and_retract_the_rows_they_absorb_then_later_events_go_aside(spark, lake_home):
+    #   gap 5 min, allowed lateness 10 min (sessions are [first, last + 5m))
+    #   b0: u1@00:00 u1@01:00                     S1=[00:00,06:00)                       W=00:50
+    #   b1: u1@08:00 u2@14:00                     S2=[08:00,13:00)                       W=13:50 -> S1, S2 fire
+    #   b2: u1@05:00 (bridges S1 and S2)          S=[00:00,13:00), 4 events              W=14:00 -> S fires:
+    #       u2@14:10                              upsert (u1,00:00), delete (u1,08:00)
+    #   b3: u1@02:00 (05:00+... not late)         S: 5 events, corrected                 W=39:50 -> S purged
+    #       u2@40:00
+    #   b4: u1@03:00 (03:00+5m+10m <= 39:50)      late -> side output                    W=40:50
+    #       u2@41:00
+    job = job_for(Session(timedelta(minutes=5)), timedelta(minutes=10))
+    batches = [
+        [p(1, 0), p(2, 1 * MIN)],
+        [p(3, 8 * MIN), p(4, 14 * MIN, "u2")],
+        [p(5, 5 * MIN), p(6, 14 * MIN + 10 * SEC, "u2")],
+        [p(7, 2 * MIN), p(8, 40 * MIN, "u2")],
+        [p(9, 3 * MIN), p(10, 41 * MIN, "u2")],
+    ]
+    report, table, late = stream(spark, lake_home, job, batches)
+    truth = oracle_run(job, batches)
+
+    assert table == expected(truth)
+    assert table[("u1", T0)] == (T0 + 13 * MIN, 5, Decimal("50.00"))
+    assert ("u1", T0 + 8 * MIN) not in table, "the absorbed session's row was retracted"
+    assert report.stats.rows_deleted == truth.deletes == 1
+    assert late == [("e9", "u1", T0 + 3 * MIN, T0 + 8 * MIN)] == sorted(truth.late)
+
+
+# -- the reconciliation law ---------------------------------------------------------------
+
+@st.composite
+def arrivals(draw):
+    """Random events over 30 minutes for 3 users, each arriving after a random delay: mostly
+    within the out-of-orderness bound, some minutes late; cut into 3-6 micro-batches, and a last
+    batch whose event (another user, at 60 min) moves the watermark past every window."""
+    n = draw(st.integers(25, 60))
+    events = []
+    for i in range(n):
+        t = draw(st.integers(0, 30 * MIN))
+        late = draw(st.booleans()) and draw(st.booleans())
+        delay = draw(st.integers(1 * MIN, 12 * MIN)) if late else draw(st.integers(0, DELAY))
+        events.append((t + delay, p(i, t, draw(st.sampled_from(["u1", "u2", "u3"])), f"{draw(st.integers(1, 99))}.00")))
+    events.sort(key=lambda e: e[0])
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), min_size=2, max_size=5)))
+    bounds = [0, *cuts, n]
+    return [[e for _, e in events[a:b]] for a, b in zip(bounds, bounds[1:])] + [[p(n, 60 * MIN, "u9")]]
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(batches=arrivals(), lateness_min=st.sampled_from([0, 2]),
+       window=st.sampled_from([Tumbling(timedelta(minutes=5)), Sliding(timedelta(minutes=6), timedelta(minutes=2))]))
+def test_reconciliation_law_stream_plus_late_side_output_equals_bounded(spark, tmp_path_factory, batches, lateness_min,
+                                                                       window):
+    """For every window the stream has closed: its row + the late side output's rows for it = the bounded row."""
+    from tests.conftest import settings_for
+
+    drop_job_tables(spark, namespaces=("test",))
+    lake = settings_for(tmp_path_factory.mktemp("law"))
+    job = job_for(window, timedelta(minutes=lateness_min))
+    report, table, late = stream(spark, lake, job, batches)
+    watermark = report.totals.watermark_out_ms
+
+    backfill(spark, lake, job, from_epoch_ms(T0 - 10 * MIN), from_epoch_ms(T0 + 90 * MIN), progress=None, force=True)
+    bounded = read_windows(spark)
+    all_events = [e for b in batches for e in with_t(b)]
+    oracle = bounded_windows(all_events, win_of(window), key=lambda e: e["user_id"], measure=measure)
+    assert bounded == {k: (v["window_end"], v["events"], v["amount"]) for k, v in oracle.items()}
+
+    late_count: dict = {}
+    for _id, user, ws, _we in late:
+        late_count[(user, ws)] = late_count.get((user, ws), 0) + 1
+    checked = 0
+    for key, (we, events, _amount) in bounded.items():
+        if we > watermark:
+            continue  # not closed in the stream yet
+        streamed = table.get(key, (we, 0, None))[1]
+        assert streamed + late_count.get(key, 0) == events, key
+        checked += 1
+    assert checked >= len([k for k in bounded if k[0] != "u9"])  # every window of the 30 minutes closed
+    assert set(late_count) <= set(bounded), "every late row belongs to a window of the bounded result"
