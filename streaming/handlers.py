@@ -11,6 +11,7 @@ the batch is acknowledged to Spark only after every table and the record are wri
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -64,6 +65,7 @@ class StreamReport:
     query_id: str | None = None
     last: BatchResult | None = None
     step_seconds: dict[str, float] = field(default_factory=dict)  # where the batches' time went
+    batch_done: threading.Event = field(default_factory=threading.Event)  # set when a batch is committed
 
     def timed(self, step: str, started: float) -> float:
         now = time.perf_counter()
@@ -126,6 +128,7 @@ class _Handler:
         report.totals = totals
         report.last = BatchResult(self.job.name, batch_id, stats, time.perf_counter() - started, tables,
                                   int(time.time() * 1000))
+        report.batch_done.set()
         if self.progress:
             self.progress(report.last)
 

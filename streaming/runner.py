@@ -163,11 +163,20 @@ def _drained(query, elapsed_s: float) -> bool:
     return last.get("numInputRows", 0) == 0
 
 
-def stop_gracefully(query, timeout_s: float = 120.0) -> None:
-    """Stop after the current micro-batch (never in the middle of one, unless it exceeds the timeout)."""
+def stop_gracefully(query, report: StreamReport | None = None, timeout_s: float = 120.0) -> None:
+    """Stop after the current micro-batch (never in the middle of one, unless it exceeds the timeout).
+
+    Batches may follow each other without a pause (a job with processing-time timers runs one per
+    trigger), so the stop waits for the end of the running batch rather than for an idle moment.
+    """
     deadline = time.monotonic() + timeout_s
+    if report is not None:
+        report.batch_done.clear()
     while query.isActive and query.status.get("isTriggerActive") and time.monotonic() < deadline:
-        time.sleep(0.1)
+        if report is not None and report.batch_done.wait(0.05):
+            break
+        if report is None:
+            time.sleep(0.1)
     query.stop()
 
 
@@ -204,17 +213,17 @@ def run_stream(
         while query.isActive:
             polls += 1
             if stop.is_set() or (polls % 4 == 0 and control.stop_requested()):
-                stop_gracefully(query)
+                stop_gracefully(query, report)
                 break
             if available_now and _polls(job) and _drained(query, time.monotonic() - started):
-                stop_gracefully(query)
+                stop_gracefully(query, report)
                 break
             query.awaitTermination(0.5)
         if query.exception() is not None:
             raise query.exception()
     except BaseException:
         if query.isActive:  # interrupted (e.g. a Dagster run terminated): stop after the current batch
-            stop_gracefully(query)
+            stop_gracefully(query, report)
         raise
     finally:
         control.clear()

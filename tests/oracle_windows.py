@@ -60,9 +60,11 @@ def replay_windows(
     key: Callable[[dict], str],
     measure: Callable[[list[dict]], dict],
     having: Callable[[dict], bool] = lambda row: True,
+    keep: Callable[[dict], bool] = lambda e: True,
 ) -> WindowTruth:
-    """``batches``: per micro-batch, the valid events (dicts with ``event_id`` and ``t_ms``) that
-    the job's transform keeps, in arrival order; duplicates are removed here by ``event_id``."""
+    """``batches``: per micro-batch, the valid events (dicts with ``event_id`` and ``t_ms``) in
+    arrival order; duplicates are removed here by ``event_id``. Every valid event moves the
+    watermark; only those ``keep`` accepts (the job's transform) are windowed."""
     truth = WindowTruth()
     seen: set[str] = set()
     # open windows: key -> list of [start, end, events, fired]
@@ -75,6 +77,8 @@ def replay_windows(
             if e["event_id"] in seen:
                 continue
             seen.add(e["event_id"])
+            if not keep(e):
+                continue
             k = key(e)
             for start, end in win.assign(e["t_ms"]):
                 if end + lateness <= watermark:
@@ -135,10 +139,12 @@ def _add(windows: list[list], win: Win, start: int, end: int, event: dict) -> No
     windows[:] = rest + [merged]
 
 
-def bounded_windows(events: list[dict], win: Win, *, key, measure, having=lambda row: True) -> dict[tuple, dict]:
+def bounded_windows(events: list[dict], win: Win, *, key, measure, having=lambda row: True,
+                    keep=lambda e: True) -> dict[tuple, dict]:
     """Every window over all events (deduplicated), nothing late: Flink's batch execution. One
     batch whose last element is an end-of-input marker at +inf, so every window fires."""
     eof = {"event_id": "__eof__", "t_ms": 2**62, "__eof__": True}
     truth = replay_windows([[*events, eof]], win, delay=0, lateness=0,
-                           key=lambda e: "__eof__" if e.get("__eof__") else key(e), measure=measure, having=having)
+                           key=lambda e: "__eof__" if e.get("__eof__") else key(e), measure=measure, having=having,
+                           keep=lambda e: e.get("__eof__") or keep(e))
     return {k: v for k, v in truth.table.items() if k[0] != "__eof__"}

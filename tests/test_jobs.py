@@ -1,0 +1,164 @@
+"""The five jobs of the event-time issue, each against its independent oracle on generated data
+that contains the pattern it detects: as a stream (K files per micro-batch) and as its bounded twin.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from batch.backfill import backfill
+from streaming.generator import GeneratorConfig, generate
+from streaming.jobs import get_job
+from streaming.runner import run_stream
+from tests import oracle_jobs as oj
+from tests.conftest import drop_job_tables, settings_for
+from tests.oracle_windows import Win, bounded_windows, replay_windows
+
+K = 5  # files (minutes of arrivals) per micro-batch and source
+MIN = 60_000
+DELAY = 5_000
+
+BUSY = GeneratorConfig(seed=11, duration=timedelta(minutes=25), rate=10.0, users=60, late_fraction=0.02,
+                       late_min=timedelta(minutes=1), late_max=timedelta(minutes=8), duplicate_fraction=0.01,
+                       malformed_fraction=0.005)
+# Sparse activity over 90 minutes, so that 30-minute sessions close within the stream.
+SPARSE = GeneratorConfig(seed=12, duration=timedelta(minutes=90), rate=1.0, users=400, late_fraction=0.03,
+                         late_min=timedelta(minutes=2), late_max=timedelta(minutes=15), duplicate_fraction=0.01,
+                         malformed_fraction=0.005)
+
+
+def _lake(tmp_path_factory, cfg, name):
+    settings = settings_for(tmp_path_factory.mktemp(name))
+    generate(cfg, settings.landing)
+    return settings
+
+
+@pytest.fixture(scope="module")
+def busy(tmp_path_factory):
+    return _lake(tmp_path_factory, BUSY, "busy")
+
+
+@pytest.fixture(scope="module")
+def sparse(tmp_path_factory):
+    return _lake(tmp_path_factory, SPARSE, "sparse")
+
+
+def stream(spark, settings, name: str, k: int = K):
+    drop_job_tables(spark)
+    settings = settings.with_job(name, max_files_per_trigger=k)
+    job = get_job(name, settings)
+    report = run_stream(spark, settings, job, available_now=True, progress=None, install_signal_handlers=False)
+    return job, report
+
+
+def bounded(spark, settings, job, days: int = 1):
+    start = BUSY.start
+    backfill(spark, settings, job, start, start + timedelta(days=days), progress=None, force=True)
+
+
+def rows(spark, sql: str) -> list[tuple]:
+    return [tuple(r) for r in spark.sql(sql).collect()]
+
+
+def late_ids(spark, job) -> list[str]:
+    return sorted(r[0] for r in rows(spark, f"SELECT event_id FROM {job.late_sink.name}"))
+
+
+# -- windowed jobs ------------------------------------------------------------------------
+
+def declines(events):
+    return {"declined": len(events), "first": min(e["t_ms"] for e in events), "last": max(e["t_ms"] for e in events)}
+
+
+def test_decline_velocity_alerts_on_more_than_five_declines_in_ten_sliding_minutes(spark, busy):
+    job, report = stream(spark, busy, "decline_velocity")
+    batched = oj.batches(Path(busy.landing), ["payments"], K)
+    truth = replay_windows(batched, Win("sliding", size=10 * MIN, every=MIN), delay=DELAY, lateness=2 * MIN,
+                           key=lambda e: e["user_id"], measure=declines, having=lambda r: r["declined"] > 5,
+                           keep=lambda e: e["status"] == "DECLINED")
+    sql = ("SELECT user_id, unix_millis(window_start), unix_millis(window_end), declined, unix_millis(first_decline), "
+           f"unix_millis(last_decline) FROM {job.sink.name}")
+    expected = {(k[0], k[1], v["window_end"], v["declined"], v["first"], v["last"]) for k, v in truth.table.items()}
+    assert set(rows(spark, sql)) == expected and len(expected) > 20
+    assert late_ids(spark, job) == sorted(i for i, *_ in truth.late) and truth.late
+    assert report.stats.rows_written == truth.writes > len(expected), "some alerts were corrected within lateness"
+
+    bounded(spark, busy, job)
+    events = oj.dedup([e for b in batched for e in b])
+    want = bounded_windows(events, Win("sliding", size=10 * MIN, every=MIN), key=lambda e: e["user_id"],
+                           measure=declines, having=lambda r: r["declined"] > 5, keep=lambda e: e["status"] == "DECLINED")
+    in_day = {(k[0], k[1], v["window_end"], v["declined"], v["first"], v["last"]) for k, v in want.items()
+              if k[1] >= int(BUSY.start.timestamp() * 1000)}
+    got = {r for r in rows(spark, sql) if r[1] >= int(BUSY.start.timestamp() * 1000)}
+    assert got == in_day
+
+
+def sessions(events):
+    payments = [e for e in events if e["source"] == "payments"]
+    return {"events": len(events), "logins": len(events) - len(payments), "payments": len(payments),
+            "total": sum((e["amount"] for e in payments), Decimal("0")), "last": max(e["t_ms"] for e in events)}
+
+
+def test_user_sessions_merge_logins_and_payments_with_a_thirty_minute_gap(spark, sparse):
+    job, report = stream(spark, sparse, "user_sessions", k=20)
+    batched = oj.batches(Path(sparse.landing), ["logins", "payments"], 20)
+    truth = replay_windows(batched, Win("session", gap=30 * MIN), delay=DELAY, lateness=10 * MIN,
+                           key=lambda e: e["user_id"], measure=sessions)
+    sql = ("SELECT user_id, unix_millis(window_start), unix_millis(window_end), events, logins, payments, "
+           f"payments_total, unix_millis(last_event) FROM {job.sink.name}")
+    expected = {(k[0], k[1], v["window_end"], v["events"], v["logins"], v["payments"], v["total"], v["last"])
+                for k, v in truth.table.items()}
+    assert set(rows(spark, sql)) == expected and len(expected) > 50
+    assert late_ids(spark, job) == sorted(i for i, *_ in truth.late)
+    assert report.stats.rows_written == truth.writes and report.stats.rows_deleted == truth.deletes
+
+    bounded(spark, sparse, job)
+    events = oj.dedup([e for b in batched for e in b])
+    want = bounded_windows(events, Win("session", gap=30 * MIN), key=lambda e: e["user_id"], measure=sessions)
+    assert set(rows(spark, sql)) == {(k[0], k[1], v["window_end"], v["events"], v["logins"], v["payments"], v["total"],
+                                      v["last"]) for k, v in want.items()}
+
+
+# -- keyed jobs ---------------------------------------------------------------------------
+
+def keyed(spark, settings, name, sources, keep, pattern, sql, days=1):
+    """Stream: the pattern over the on-time elements up to the final watermark; bounded: over all."""
+    job, report = stream(spark, settings, name)
+    batched = oj.batches(Path(settings.landing), sources, K)
+    on_time, late, watermark = oj.keyed_truth(batched, keep, DELAY)
+    expected = pattern([e for e in on_time if e["t_ms"] <= watermark], watermark)
+    assert set(rows(spark, sql)) == expected and expected
+    assert late_ids(spark, job) == sorted(late)
+    assert report.stats.late == len(late)
+
+    bounded(spark, settings, job, days)
+    start = int(BUSY.start.timestamp() * 1000)
+    everything = pattern(oj.dedup([e for b in batched for e in b if keep(e)]), start + days * 24 * 60 * MIN - 1)
+    assert set(rows(spark, sql)) == everything
+    return expected, everything
+
+
+def test_large_amount_alerts_on_a_payment_ten_times_the_previous_one(spark, busy):
+    sql = "SELECT card_id, event_id, previous_event_id FROM lake.fraud.large_amount_alerts"
+    expected, _ = keyed(spark, busy, "large_amount_alerts", ["payments"], lambda e: True,
+                        lambda events, until: oj.large_amounts(events), sql)
+    assert len(expected) > 50
+
+
+def test_rolling_spend_follows_each_cards_last_24_hours_including_expiries(spark, busy):
+    sql = ("SELECT card_id, unix_millis(as_of), spend_24h, payments_24h, cause FROM lake.payments.rolling_spend")
+    _, everything = keyed(spark, busy, "rolling_spend", ["payments"], lambda e: e["status"] == "APPROVED",
+                          oj.rolling_spend, sql, days=2)
+    assert {r[4] for r in everything} == {"payment", "expiry"}  # the second day holds the expiries
+
+
+def test_suspicious_logins_after_three_failures_and_a_success_within_five_minutes(spark, busy):
+    sql = ("SELECT user_id, event_id, failed_count, unix_millis(first_failure), unix_millis(last_failure) "
+           "FROM lake.fraud.suspicious_logins")
+    expected, _ = keyed(spark, busy, "suspicious_logins", ["logins"], lambda e: True,
+                        lambda events, until: oj.suspicious_logins(events), sql)
+    assert len(expected) > 5

@@ -1,0 +1,162 @@
+"""Keyed state on Spark's state store: event-time timers fire on the watermark, state survives a
+restart and TTL removes it, processing-time timers fire on the batch clock.
+
+Times are offsets from ``T0``; one file per micro-batch; the watermark is ``max event time - 10 s``
+of the earlier batches (Spark starts at 0).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+from pyspark.sql import functions as F
+
+from streaming.declaration import KeyedJob, Table, Watermark
+from streaming.keyed import (
+    PROCESSING_TIME,
+    KeyedProcessFunction,
+    TtlConfig,
+    ValueStateDescriptor,
+)
+from streaming.runner import run_stream
+from streaming.sources import PAYMENTS
+from tests.conftest import drop_job_tables
+from tests.landing import MIN, SEC, T0, payment, write_batches
+
+SINK = "lake.test.reminders"
+
+
+class Reminder(KeyedProcessFunction):
+    """Counts a user's payments (count kept 6 min of event time) and, 2 minutes after each one,
+    reports the count and the watermark the timer fired under."""
+
+    def open(self, ctx):
+        self.count = ctx.get_state(ValueStateDescriptor("count", "long", ttl=TtlConfig(timedelta(minutes=6))))
+
+    def process_element(self, value, ctx):
+        self.count.update((self.count.value() or 0) + 1)
+        ctx.timer_service().register_event_time_timer(ctx.timestamp() + 2 * MIN)
+
+    def on_timer(self, timestamp_ms, ctx):
+        yield (ctx.get_current_key()[0], timestamp_ms, self.count.value(), ctx.timer_service().current_watermark())
+
+
+def cols(frame):
+    return frame.select("user_id", "event_time", "event_id")
+
+
+def reminder_job(function=Reminder, timers="event_time", dedup_ttl=timedelta(minutes=30)) -> KeyedJob:
+    return KeyedJob(
+        name="reminder_test", sources=(PAYMENTS,), keys=("user_id",),
+        watermark=Watermark(timedelta(seconds=10)), transform=cols, function=function,
+        output="user_id string, fired_at timestamp, count long, watermark_ms long", time_column="fired_at",
+        sink=Table(SINK), history=timedelta(minutes=5), timers=timers, dedup_ttl=dedup_ttl,
+    )
+
+
+def p(i, offset, user):
+    return payment(f"e{i}", T0 + offset, user=user)
+
+
+def run(spark, settings, job, **kw):
+    settings = settings.with_job(job.name, max_files_per_trigger=1)
+    return run_stream(spark, settings, job, progress=None, install_signal_handlers=False, **kw)
+
+
+def test_timers_fire_on_the_watermark_and_state_survives_a_restart(spark, lake):
+    drop_job_tables(spark, namespaces=("test",))
+    job = reminder_job()
+    landing = lake.landing_dir("payments")
+    #   b0: u1@00:00 u2@00:30                   W=0 (Spark's start)
+    #   b1: u1@01:00 u3@05:00                   W=00:20 -> u1@00:00 delivered
+    #   b2: u3@10:00                            W=04:50 -> u2@00:30, u1@01:00 delivered; timers u1 02:00,
+    #                                                      u2 02:30, u1 03:00 fire
+    #   end of input (no-data batch)            W=09:50 -> u3@05:00 delivered, its timer 07:00 fires
+    #   --- the stream stops here and is started again ---
+    #   b4: u1@03:00 (late: 03:00 <= 09:50)     W=09:50
+    #       u3@20:00
+    #   end of input (no-data batch)            W=19:50 -> u3@10:00 delivered, timer 12:00 fires (count 2)
+    write_batches(landing, [[p(1, 0, "u1"), p(2, 30 * SEC, "u2")], [p(3, 1 * MIN, "u1"), p(4, 5 * MIN, "u3")],
+                            [p(5, 10 * MIN, "u3")]])
+    first = run(spark, lake, job, available_now=True)
+    assert first.batches == 4  # three with data, then one that fires what the last watermark made due
+    write_batches(landing, [[p(6, 3 * MIN, "u1"), p(7, 20 * MIN, "u3")]], start=3)
+    second = run(spark, lake, job, available_now=True)
+
+    rows = sorted(tuple(r) for r in spark.sql(
+        f"SELECT user_id, unix_millis(fired_at) - {T0}, count, watermark_ms - {T0} FROM {SINK}").collect())
+    W2, W3, W_END = 4 * MIN + 50 * SEC, 9 * MIN + 50 * SEC, 19 * MIN + 50 * SEC
+    assert rows == [
+        ("u1", 2 * MIN, 2, W2), ("u1", 3 * MIN, 2, W2), ("u2", 2 * MIN + 30 * SEC, 1, W2),
+        ("u3", 7 * MIN, 1, W3), ("u3", 12 * MIN, 2, W_END),  # count 2: the 05:00 payment survived the restart
+    ]
+    late = spark.sql(f"SELECT event_id, user_id, watermark_ms - {T0} AS w, late_by_ms FROM {SINK}_late").collect()
+    assert [(r.event_id, r.user_id, r.w, r.late_by_ms) for r in late] == [("e6", "u1", W3, W3 - 3 * MIN)]
+    assert second.totals.late == 1
+
+
+def test_ttl_and_fired_timers_leave_no_state_behind(spark, lake):
+    drop_job_tables(spark, namespaces=("test",))
+    job = reminder_job(dedup_ttl=timedelta(minutes=1))  # ids are remembered (for dedup) one minute only
+    # 30 users pay once each in the first minute; then only u0 keeps paying for 20 minutes.
+    batches = [[p(i, i * SEC, f"u{i}") for i in range(30)]]
+    batches += [[p(100 + m, m * MIN, "u0")] for m in range(2, 22, 4)]
+    write_batches(lake.landing_dir("payments"), batches)
+    from streaming.runner import start_stream
+
+    settings = lake.with_job(job.name, max_files_per_trigger=1)
+    query, report = start_stream(spark, settings, job, available_now=True)
+    query.awaitTermination()
+    assert query.exception() is None
+    operators = query.lastProgress["stateOperators"]
+    # each user's count expired 6 minutes after its payment, its timer fired and its id was
+    # forgotten: only u0, still paying, has state (its count, the payment not yet released, timers)
+    assert operators[0]["numRowsTotal"] == 1
+    fired = spark.table(SINK).where(F.col("user_id") != "u0").count()
+    assert fired == 29  # every other user's reminder fired once
+
+
+class ProcessingReminder(KeyedProcessFunction):
+    """Reports 1.5 s of processing time after each payment."""
+
+    def process_element(self, value, ctx):
+        now = ctx.timer_service().current_processing_time()
+        ctx.timer_service().register_processing_time_timer(now + 1500)
+
+    def on_timer(self, timestamp_ms, ctx):
+        yield (ctx.get_current_key()[0], timestamp_ms, 0, ctx.timer_service().current_processing_time())
+
+
+def test_processing_time_timers_fire_on_the_batch_clock_without_new_input(spark, lake):
+    drop_job_tables(spark, namespaces=("test",))
+    job = reminder_job(ProcessingReminder, timers=PROCESSING_TIME)
+    write_batches(lake.landing_dir("payments"), [[p(1, 0, "u1")], [p(2, 2 * MIN, "u1")]])
+    stop, reports, errors = threading.Event(), [], []
+    settings = lake.with_job(job.name, trigger_interval=timedelta(milliseconds=500))
+
+    def stream():
+        try:
+            reports.append(run(spark, settings, job, available_now=False, stop_event=stop))
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the assertion below
+            errors.append(exc)
+
+    started = int(time.time() * 1000)
+    runner = threading.Thread(target=stream, daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 90
+    rows = []
+    while time.monotonic() < deadline and not errors:
+        if spark.catalog.tableExists(SINK):
+            rows = spark.sql(f"SELECT unix_millis(fired_at) AS ts, watermark_ms AS now FROM {SINK}").collect()
+            if len(rows) >= 1:
+                break
+        time.sleep(1)
+    stop.set()
+    runner.join(timeout=60)
+    assert not errors, errors
+    assert rows, "the processing-time timer fired while no new input arrived"
+    ts, now = rows[0].ts, rows[0].now
+    assert ts >= started + 1500 and now >= ts  # fired at the first batch whose clock reached it
+    assert reports and reports[0].batches >= 2  # the element's batch, then a later one for the timer
