@@ -104,7 +104,9 @@ def cmd_run(args) -> int:
         from .savepoints import Savepoints
 
         Savepoints(spark, settings).restore(job, args.from_savepoint)
-    report = run_stream(spark, settings, job, available_now=args.available_now)
+    from .faults import pause_from_environment
+
+    report = run_stream(spark, settings, job, available_now=args.available_now, fault=pause_from_environment())
     s = report.stats
     print(
         f"{job.name}: {report.batches} batch(es): {s.lines:,} lines, {s.events:,} events, {s.late:,} late, "

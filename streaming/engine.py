@@ -173,7 +173,7 @@ class BatchPlan:
             missed = self.windowed().where(F.col("_late")).select(
                 *job.keys, key, job.source.event_time, WS, WE,
             )
-            joined = missed.join(originals, missed[key] == originals["_id"], "left")
+            joined = F.broadcast(missed).join(originals, missed[key] == originals["_id"], "left")
             t_ms = F.unix_millis(F.col(job.source.event_time))
             late = joined.select(
                 *job.keys,
@@ -220,6 +220,7 @@ class BatchPlan:
                 F.count(F.lit(1)).alias("_lines"),
                 F.count(F.when(valid, 1)).alias("_valid"),
                 F.max(F.when(valid, t_ms)).alias("_max_t"),
+                F.min(F.when(valid, t_ms)).alias("_min_t"),
                 *bad_by_source,
             ).first()
             self.quarantined_by_source = {s.name: row[s.name] for s in job.sources}
@@ -231,11 +232,20 @@ class BatchPlan:
                 quarantined=sum(self.quarantined_by_source.values()),
                 events=n_events,
                 duplicates=row["_valid"] - n_events,
-                late=0 if self.bounded else self.late().count(),
+                late=self.late().count() if self._may_be_late(row["_min_t"]) else 0,
                 max_event_time_ms=row["_max_t"],
                 watermark_in_ms=self.watermark_in_ms,
             )
         return self._stats
+
+    def _may_be_late(self, min_t: int | None) -> bool:
+        """Whether any event of the batch can be late (its earliest window already closed)."""
+        if self.bounded or min_t is None:
+            return False
+        reach = self.job.watermark.allowed_lateness_ms
+        if isinstance(self.job.window, Session):
+            reach += self.job.window.gap_ms  # an event's own session window ends a gap after it
+        return min_t + reach < self.watermark_in_ms
 
     def _deduplicate(self, valid: DataFrame) -> DataFrame:
         """Drop repeated deliveries: within the batch, and of keys remembered from earlier batches.

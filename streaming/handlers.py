@@ -23,14 +23,11 @@ from pyspark.sql import functions as F
 from .declaration import Job, KeyedJob, WindowedJob
 from .engine import NEG_INF_MS, BatchStats, plan_batch
 from .errors import CheckpointCorruptError
+from .faults import FaultFn
 from .hadoopfs import HadoopFS
 from .sinks import OP, WATERMARK_KEY, Commit, Sink
 from .state import EngineState
 from .tables import JobSinks
-
-# Called at named points of a batch ("committed:<table>", "before-state"); tests raise from it to
-# simulate a crash at that point (like bytewax's ABORT() markers).
-FaultFn = Callable[[str, int], None]
 
 
 @dataclass(frozen=True)
@@ -122,6 +119,7 @@ class _Handler:
         self._fault("before-state", batch_id)
         totals = previous.totals.plus(stats) if previous is not None else stats
         state.save(batch_id, stats, totals, open_windows, seen_keys, self.job.fingerprint(), self.job.shape())
+        self._fault("after-state", batch_id)
         report = self.report
         report.batches += 1
         report.stats = report.stats.plus(stats) if report.batches > 1 else stats

@@ -166,17 +166,23 @@ def _drained(query, elapsed_s: float) -> bool:
 def stop_gracefully(query, report: StreamReport | None = None, timeout_s: float = 120.0) -> None:
     """Stop after the current micro-batch (never in the middle of one, unless it exceeds the timeout).
 
-    Batches may follow each other without a pause (a job with processing-time timers runs one per
-    trigger), so the stop waits for the end of the running batch rather than for an idle moment.
+    The stop happens while no batch runs, or, when batches follow each other without a pause (a
+    job with processing-time timers runs one per trigger), as soon as Spark has recorded the
+    running batch as committed; a batch that has just begun is then interrupted and replayed on
+    the next start (every sink is exactly-once).
     """
     deadline = time.monotonic() + timeout_s
     if report is not None:
         report.batch_done.clear()
     while query.isActive and query.status.get("isTriggerActive") and time.monotonic() < deadline:
-        if report is not None and report.batch_done.wait(0.05):
+        if report is not None and report.batch_done.is_set() and report.last is not None:
+            done = report.last.batch_id
+            recorded = lambda: (query.lastProgress or {}).get("batchId", -1) >= done  # noqa: E731
+            while query.isActive and query.status.get("isTriggerActive") and not recorded() \
+                    and time.monotonic() < deadline:
+                time.sleep(0.01)
             break
-        if report is None:
-            time.sleep(0.1)
+        time.sleep(0.02)
     query.stop()
 
 

@@ -121,8 +121,11 @@ class Savepoints:
         if not self.fs.exists(f"{checkpoint}/metadata"):
             raise SavepointError(f"{job.name} has no checkpoint at {checkpoint} yet; run it before taking a savepoint")
         self._stop_running(job, checkpoint, timeout_s)
-        record = EngineState(self.spark, checkpoint).latest_record()
-        batch_id = record.batch_id if record else -1
+        # The savepoint's batch is the last one Spark recorded as committed; a batch planned after
+        # it (interrupted by the stop) is replayed after a restore, exactly-once like any other.
+        committed = sorted(int(n) for n in self.fs.list_names(f"{checkpoint}/commits") if n.isdigit())
+        batch_id = committed[-1] if committed else -1
+        record = EngineState(self.spark, checkpoint).latest_record_before(batch_id + 1)
         now = datetime.now(timezone.utc)
         savepoint_id = f"{job.name}-{now.strftime('%Y%m%dT%H%M%S')}{now.microsecond // 1000:03d}Z-b{batch_id}"
         path = f"{self.folder(job.name)}/{savepoint_id}"
@@ -130,7 +133,7 @@ class Savepoints:
         self._copy(checkpoint, f"{path}/checkpoint")
         for transient in ("running", "stop-request"):
             self.fs.delete(f"{path}/checkpoint/lakestream/{transient}")
-        manifest = self._manifest(job, savepoint_id, checkpoint, record, now)
+        manifest = self._manifest(job, savepoint_id, checkpoint, record, batch_id, now)
         self.fs.write_text(f"{path}/{MANIFEST}", json.dumps(manifest, indent=1))
         savepoint = Savepoint(savepoint_id, job.name, path, manifest)
         if keep:
@@ -173,7 +176,7 @@ class Savepoints:
         if not ok:
             raise SavepointError(f"could not copy {source} to {target}")
 
-    def _manifest(self, job: Job, savepoint_id: str, checkpoint: str, record, now: datetime) -> dict:
+    def _manifest(self, job: Job, savepoint_id: str, checkpoint: str, record, batch_id: int, now: datetime) -> dict:
         offsets = sorted(int(n) for n in self.fs.list_names(f"{checkpoint}/offsets") if n.isdigit())
         source_offset = None
         if offsets:
@@ -185,7 +188,7 @@ class Savepoints:
             "created": now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "created_ms": int(now.timestamp() * 1000),
             "code_version": code_version(),
-            "batch_id": record.batch_id if record else None,
+            "batch_id": batch_id if batch_id >= 0 else None,
             "watermark_ms": record.watermark_ms if record else None,
             "source": {"landing": [self.settings.landing_dir(s.name) for s in job.sources], "offsets": source_offset,
                        "last_planned_batch": offsets[-1] if offsets else None},

@@ -88,7 +88,7 @@ def job_sinks(spark, settings: Settings, job: Job, *, create: bool = True) -> Jo
     quarantine: dict[str, Sink] = {}
     for spec in _cached_specs(spark, job) if create else []:
         sink = sink_for(spark, settings, spec.table, job.name)
-        sink.ensure(spec.schema, spec.partition_column, spec.comment)
+        sink.ensure(spec.schema, spec.partition_column, spec.comment, upserts=spec.role == "main" and job.upserts)
     for table, role, source in _roles(job):
         sink = sink_for(spark, settings, table, job.name)
         if role == "quarantine":

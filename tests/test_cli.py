@@ -26,7 +26,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, phrase: str) -> N
 
 
 def test_unknown_job_names_the_known_jobs():
-    assert_one_line_error(lakestream("run", "purchase_metric"), "unknown job 'purchase_metric'; known jobs: purchase_metrics")
+    assert_one_line_error(lakestream("run", "purchase_metric"), "unknown job 'purchase_metric'; known jobs: decline_velocity,")
 
 
 @pytest.mark.parametrize(

@@ -64,7 +64,8 @@ class DeltaRsSink:
 
         return DeltaTable.is_deltatable(self.uri, storage_options=self.options)
 
-    def ensure(self, schema: T.StructType, partition_column: str | None, comment: str = "") -> None:
+    def ensure(self, schema: T.StructType, partition_column: str | None, comment: str = "",
+               upserts: bool = False) -> None:
         from deltalake import DeltaTable
 
         if not self.exists():

@@ -65,16 +65,23 @@ class IcebergSink:
     def exists(self) -> bool:
         return bool(self.spark.catalog.tableExists(self.table.name))
 
-    def ensure(self, schema: T.StructType, partition_column: str | None, comment: str = "") -> None:
+    def ensure(self, schema: T.StructType, partition_column: str | None, comment: str = "",
+               upserts: bool = False) -> None:
+        """Create the table if missing. Tables a stream upserts into write merge-on-read: a correction
+        adds a small delete file instead of rewriting the day's data files."""
         if self.exists():
             return
         self.spark.sql(f"CREATE NAMESPACE IF NOT EXISTS {self.table.namespace}")
         columns = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in schema.fields)
         partition = f"PARTITIONED BY (days(`{partition_column}`))" if partition_column else ""
         text = comment.replace("\\", "\\\\").replace("'", "\\'")
+        props = {"format-version": "2", "write.distribution-mode": "hash"}
+        if upserts:
+            props.update({f"write.{op}.mode": "merge-on-read" for op in ("merge", "update", "delete")})
+        properties = ", ".join(f"'{k}'='{v}'" for k, v in props.items())
         self.spark.sql(
             f"CREATE TABLE IF NOT EXISTS {self.table.name} ({columns}) USING iceberg {partition} "
-            f"COMMENT '{text}' TBLPROPERTIES ('format-version'='2', 'write.distribution-mode'='hash')"
+            f"COMMENT '{text}' TBLPROPERTIES ({properties})"
         )
 
     # -- exactly-once --------------------------------------------------------------------
