@@ -35,18 +35,22 @@ def table_windows(spark, name="lake.payments.purchase_metrics") -> dict[tuple[st
     return out
 
 
-def one_file_per_batch(landing: Path) -> list[list[str]]:
-    return [oracle.read_lines(p) for p in oracle.files_in_arrival_order(landing)]
+K = 3  # files per micro-batch: the watermark moves between batches, so late events occur
 
 
-def run_one_file_per_trigger(spark, settings):
-    settings = settings.with_job(JOB, max_files_per_trigger=1)
+def k_files_per_batch(landing: Path) -> list[list[str]]:
+    files = oracle.files_in_arrival_order(landing)
+    return [[line for p in files[i:i + K] for line in oracle.read_lines(p)] for i in range(0, len(files), K)]
+
+
+def run_k_files_per_trigger(spark, settings):
+    settings = settings.with_job(JOB, max_files_per_trigger=K)
     return run_stream(spark, settings, get_job(JOB, settings), available_now=True, progress=None)
 
 
 @dataclass
 class Streamed:
-    """One stream run (one file per micro-batch) over SMALL, its oracle, and its tables as Python data."""
+    """One stream run (K files per micro-batch) over SMALL, its oracle, and its tables as Python data."""
 
     landing: Path
     truth: oracle.StreamTruth
@@ -66,10 +70,10 @@ def streamed(spark, tmp_path_factory) -> Streamed:
     settings = settings_for(tmp_path_factory.mktemp("streamed"))
     generate(SMALL, settings.landing, sources=("payments",))
     landing = Path(settings.landing_dir("payments"))
-    report = run_one_file_per_trigger(spark, settings)
+    report = run_k_files_per_trigger(spark, settings)
     return Streamed(
         landing=landing,
-        truth=oracle.replay_stream(one_file_per_batch(landing)),
+        truth=oracle.replay_stream(k_files_per_batch(landing)),
         report=report,
         windows=table_windows(spark),
         late=spark.sql(
@@ -83,7 +87,7 @@ def streamed(spark, tmp_path_factory) -> Streamed:
 def test_stream_emits_exactly_the_closed_windows_and_sends_late_events_to_the_side_output(streamed):
     truth, report, late = streamed.truth, streamed.report, streamed.late
     assert truth.late_ids, "the input must contain late events for this test to mean anything"
-    assert report.batches == len(oracle.files_in_arrival_order(streamed.landing))
+    assert report.batches == -(-len(oracle.files_in_arrival_order(streamed.landing)) // K)
     assert streamed.windows == truth.closed
     assert sorted(r.event_id for r in late) == sorted(truth.late_ids)
     # every late row missed its window: the window had closed when the event arrived
@@ -167,18 +171,18 @@ def test_restart_continues_where_it_left_off_without_duplicate_windows(spark, la
     files = oracle.files_in_arrival_order(staging / "payments")
     landing = Path(lake.landing_dir("payments"))
     landing.mkdir(parents=True)
-    half = len(files) // 2
+    half = len(files) // 2 // K * K  # a whole number of batches, as the oracle groups them
     for p in files[:half]:
         shutil.move(p, landing / p.name)
-    first = run_one_file_per_trigger(spark, lake)
-    assert first.batches == half
+    first = run_k_files_per_trigger(spark, lake)
+    assert first.batches == half // K
     for p in files[half:]:
         shutil.move(p, landing / p.name)
 
-    second = run_one_file_per_trigger(spark, lake)
+    second = run_k_files_per_trigger(spark, lake)
 
-    assert second.batches == len(files) - half
-    truth = oracle.replay_stream(one_file_per_batch(landing))
+    assert second.batches == -(-(len(files) - half) // K)
+    truth = oracle.replay_stream(k_files_per_batch(landing))
     assert table_windows(spark) == truth.closed  # table_windows also fails on a duplicate window
     late = spark.sql("SELECT event_id FROM lake.payments.purchase_metrics_late").collect()
     assert sorted(r.event_id for r in late) == sorted(truth.late_ids)
@@ -194,12 +198,12 @@ class Crash(Exception):
 )
 def test_a_batch_that_fails_between_commits_is_replayed_exactly_once(spark, small_landing, point):
     """Crash after some tables of a batch committed; the restart replays it without duplicates."""
-    settings = small_landing.with_job(JOB, max_files_per_trigger=1)
+    settings = small_landing.with_job(JOB, max_files_per_trigger=K)
     job = get_job(JOB, settings)
     hits = []
 
     def crash(at: str, batch_id: int) -> None:
-        if at == point and not hits and batch_id >= 6:  # after a window closed and a late event came
+        if at == point and not hits and batch_id >= 2:  # after a window closed and a late event came
             hits.append(batch_id)
             raise Crash(f"injected crash at {at} in batch {batch_id}")
 
@@ -208,7 +212,7 @@ def test_a_batch_that_fails_between_commits_is_replayed_exactly_once(spark, smal
     assert hits
     run_stream(spark, settings, job, available_now=True, progress=None)
 
-    truth = oracle.replay_stream(one_file_per_batch(Path(settings.landing_dir("payments"))))
+    truth = oracle.replay_stream(k_files_per_batch(Path(settings.landing_dir("payments"))))
     assert table_windows(spark) == truth.closed  # fails on any duplicate window
     late = spark.sql("SELECT event_id FROM lake.payments.purchase_metrics_late").collect()
     assert sorted(r.event_id for r in late) == sorted(truth.late_ids)

@@ -148,7 +148,7 @@ class DeltaRsSink:
 
     def read(self) -> DataFrame:
         table = self._dt()
-        schema = from_arrow_schema(table.schema().to_arrow())
+        schema = from_arrow_schema(pa.schema(table.schema().to_arrow()))  # delta-rs hands out arro3 schemas
         files = table.file_uris()
         if not files:
             return self.spark.createDataFrame([], schema)
