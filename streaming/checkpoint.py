@@ -293,11 +293,22 @@ def _read_engine_state(root: Path, report: CheckpointReport) -> None:
     if not batches.is_dir():
         return
     ids = sorted(int(n[:-5]) for n in os.listdir(batches) if n.endswith(".json") and n[:-5].isdigit())
+    keyed = False
     for batch in ids:
-        report.engine_state_bytes[batch] = _tree_bytes(engine / "windows" / str(batch)) + _tree_bytes(
-            engine / "seen" / str(batch)
-        )
-    report.state_bytes += sum(report.engine_state_bytes.get(b, 0) for b in ids[-1:])
+        recorded = None
+        try:
+            recorded = json.loads((batches / f"{batch}.json").read_text()).get("state_bytes")
+        except (OSError, ValueError, AttributeError):
+            pass  # reported below if it is the newest record
+        if recorded is not None:  # keyed job: Spark's state store size, recorded after the batch
+            keyed = True
+            report.engine_state_bytes[batch] = int(recorded)
+        else:
+            report.engine_state_bytes[batch] = _tree_bytes(engine / "windows" / str(batch)) + _tree_bytes(
+                engine / "seen" / str(batch)
+            )
+    if not keyed:
+        report.state_bytes += sum(report.engine_state_bytes.get(b, 0) for b in ids[-1:])
     committed = [b for b in ids if report.last_committed_batch is None or b <= report.last_committed_batch]
     newest = committed[-1] if committed else (ids[-1] if ids else None)
     if newest is None:
@@ -351,7 +362,7 @@ def _health(report: CheckpointReport, limits: Thresholds, root: Path) -> Health:
     sizes = [report.engine_state_bytes[b] for b in sorted(report.engine_state_bytes)]
     if len(sizes) >= 2 and sizes[-1] > limits.state_growth_min_bytes and sizes[-1] > limits.state_growth_ratio * sizes[-2]:
         h.state_growth = True
-        h.messages.append(f"state growth: engine state {sizes[-2]:,} -> {sizes[-1]:,} bytes in one batch")
+        h.messages.append(f"state growth: state {sizes[-2]:,} -> {sizes[-1]:,} bytes in one batch")
     h.status = "error" if (h.corrupt or h.stalled) else "warning" if (h.backlog_growing or h.state_growth) else "healthy"
     if not report.exists:
         h.messages.append("no checkpoint yet: the job has never run with these settings")
@@ -387,7 +398,7 @@ def describe(report: CheckpointReport) -> str:
             f"\n  operator {o.operator}: {o.partitions} partitions, version {o.latest_version}, {o.bytes:,} bytes"
             for o in report.state_operators
         )
-        + "".join(f"\n  engine state after batch {b}: {n:,} bytes" for b, n in sorted(report.engine_state_bytes.items())),
+        + "".join(f"\n  state after batch {b}: {n:,} bytes" for b, n in sorted(report.engine_state_bytes.items())),
         f"health           {report.health.status.upper()}",
     ]
     lines += [f"  - {m}" for m in report.health.messages]

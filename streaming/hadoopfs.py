@@ -54,5 +54,12 @@ class HadoopFS:
         if fs.exists(self._path(path)):
             fs.delete(self._path(path), True)
 
+    def size(self, path: str) -> int:
+        """Bytes under ``path`` (0 if missing)."""
+        fs = self._fs(path)
+        if not fs.exists(self._path(path)):
+            return 0
+        return int(fs.getContentSummary(self._path(path)).getLength())
+
     def mkdirs(self, path: str) -> None:
         self._fs(path).mkdirs(self._path(path))

@@ -115,10 +115,11 @@ class _Handler:
         self._fault(f"committed:{sink.table.name}", commit.version)
 
     def _finish(self, state: EngineState, batch_id: int, stats: BatchStats, previous, tables: dict[str, TableWrite],
-                started: float, open_windows=None, seen_keys=None) -> None:
+                started: float, open_windows=None, seen_keys=None, state_bytes: int | None = None) -> None:
         self._fault("before-state", batch_id)
         totals = previous.totals.plus(stats) if previous is not None else stats
-        state.save(batch_id, stats, totals, open_windows, seen_keys, self.job.fingerprint(), self.job.shape())
+        state.save(batch_id, stats, totals, open_windows, seen_keys, self.job.fingerprint(), self.job.shape(),
+                   state_bytes)
         self._fault("after-state", batch_id)
         report = self.report
         report.batches += 1
@@ -265,7 +266,8 @@ class KeyedHandler(_Handler):
                 duplicates=row["dups"], late=row["late"], rows_written=row["out"], max_event_time_ms=max_t,
                 watermark_in_ms=watermark_in, watermark_out_ms=watermark_out,
             )
-            self._finish(state, batch_id, stats, previous, tables, started)
+            state_bytes = HadoopFS(spark).size(f"{self.checkpoint}/state")
+            self._finish(state, batch_id, stats, previous, tables, started, state_bytes=state_bytes)
             timed("save record", t)
         finally:
             frame.unpersist()

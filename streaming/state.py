@@ -131,6 +131,7 @@ class EngineState:
         seen_keys: DataFrame | None,
         fingerprint: str,
         shape: dict | None = None,
+        state_bytes: int | None = None,
     ) -> None:
         """Record batch ``batch_id`` (and, for windowed jobs, its open windows and remembered keys)."""
         if open_windows is not None:
@@ -146,6 +147,7 @@ class EngineState:
             "seen_schema": seen_keys.schema.json() if seen_keys is not None else None,
             "job_fingerprint": fingerprint,
             "job_shape": shape,
+            "state_bytes": state_bytes,  # keyed jobs: Spark's state store on disk after the batch
         }
         self._fs.write_text(f"{self.root}/batches/{batch_id}.json", json.dumps(record, indent=1))
         for old in self.batch_ids()[:-KEEP_BATCHES]:
