@@ -1,13 +1,14 @@
-"""Bounded twin of a job: the same declaration and engine over ``[start, end)`` of event time.
+"""Backfill: recompute a job over ``[start, end)`` of event time with its bounded twin (``bounded``)
+and make the job's tables hold that result, Iceberg and Delta alike.
 
-Bounded semantics (Flink's batch execution of a bounded stream): every file of the landing zone
-is read (late arrivals sit in later files); nothing is late; at end of input every window and
-every event-time timer fires. Windowed jobs compute the windows *starting* in the range (from the
-events those windows need); keyed jobs replay ``history`` of event time before the range to
-rebuild their state and keep the outputs whose time column lies in the range. The rows of every
-sink table (main, late side output) in ``[start, end)`` are replaced atomically, one commit per
-table, Iceberg and Delta alike; quarantined lines are added unless already present. Running it
-again gives the same rows.
+* **main table**: the rows of the range are replaced atomically (one commit), validated against
+  concurrent writers and retried on a conflict;
+* **late side output**: nothing is late in a bounded run, so the late rows of the range whose
+  events the run consumed are deleted (the main table now counts them). Late rows of events the
+  run did not see (written by the live stream meanwhile) stay;
+* **quarantine**: lines quarantined by the run are added unless already present.
+
+Running it again gives the same rows (and no new data files beyond the replace).
 
 **Who owns which partitions.** The live stream owns every window it may still write: those not
 yet final under its watermark ``W`` and allowed lateness ``L``. A backfill refuses a range that
@@ -25,21 +26,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Callable
 
-from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from streaming.declaration import Job, KeyedJob, WindowedJob
+from streaming.declaration import Job, KeyedJob
 from streaming.durations import epoch_ms, from_epoch_ms, iso_ms
-from streaming.engine import SOURCE, BatchStats, plan_batch
+from streaming.engine import BatchStats
 from streaming.errors import DateRangeError, OwnershipError
-from streaming.hadoopfs import HadoopFS
 from streaming.settings import Settings
 from streaming.state import EngineState
-from streaming.tables import JobSinks, job_sinks, late_time_column, main_time_column
+from streaming.tables import job_sinks, late_time_column, main_time_column
 from streaming.windows import Session
+
+from .bounded import compute, read_landing  # noqa: F401 - read_landing is part of this module's API
 
 DAY_MS = 86_400_000
 
@@ -63,23 +64,6 @@ def check_range(start: datetime, end: datetime) -> None:
         raise DateRangeError(
             f"empty range: --end {end.isoformat()} is not after --start {start.isoformat()}; the range is [start, end)"
         )
-
-
-def read_landing(spark, settings: Settings, job: Job) -> DataFrame:
-    """Every line of every source folder of ``job``, as a batch: value, source_file, _source."""
-    fs = HadoopFS(spark)
-    frames = []
-    for source in job.sources:
-        landing = settings.landing_dir(source.name)
-        if not fs.exists(landing):
-            raise DateRangeError(f"no landing data at {landing}; run `lakestream generate` first or fix 'landing'")
-        frames.append(spark.read.format("text").load(landing).select(
-            "value", F.col("_metadata.file_path").alias("source_file"), F.lit(source.name).alias(SOURCE)
-        ))
-    raw = frames[0]
-    for frame in frames[1:]:
-        raw = raw.unionByName(frame)
-    return raw
 
 
 def final_horizon_ms(spark, settings: Settings, job: Job) -> int | None:
@@ -120,94 +104,52 @@ def check_ownership(spark, settings: Settings, job: Job, end_ms: int, force: boo
     )
 
 
-def _days(lo_ms: int, hi_ms: int) -> int:
+def day_partitions(lo_ms: int, hi_ms: int) -> int:
     return len(range(lo_ms - lo_ms % DAY_MS, hi_ms, DAY_MS))
 
 
 def backfill(spark, settings: Settings, job: Job, start: datetime, end: datetime, *,
              progress: Callable[[str], None] | None = print, force: bool = False) -> BackfillReport:
-    """Recompute ``job`` over ``[start, end)`` and replace that range in every sink table."""
+    """Recompute ``job`` over ``[start, end)`` and make every sink table hold that result."""
     say = progress or (lambda _m: None)
     check_range(start, end)
     lo, hi = epoch_ms(start), epoch_ms(end)
     check_ownership(spark, settings, job, hi, force, say)
     started = time.monotonic()
     sinks = job_sinks(spark, settings, job)
-    raw = read_landing(spark, settings, job)
-    days = _days(lo, hi)
-    say(f"{job.name}: backfill [{iso_ms(start)}, {iso_ms(end)}): {days} day partition(s) x "
-        f"{2 + len(job.sources)} table(s)")
-    if isinstance(job, KeyedJob):
-        stats = _keyed(spark, job, raw, lo, hi, sinks, say, started)
-    else:
-        stats = _windowed(job, raw, lo, hi, sinks, say, started)
+    days = day_partitions(lo, hi)
+    tables = 2 + len(job.sources)
+    say(f"{job.name}: backfill [{iso_ms(start)}, {iso_ms(end)}): {days} day partition(s) in each of {tables} tables")
+    result = compute(spark, settings, job, lo, hi, say)
+    props = {"lakestream.job": job.name, "lakestream.backfill": f"{iso_ms(start)}/{iso_ms(end)}"}
+    try:
+        done = 0
+        for source, frame in result.quarantine.items():
+            sinks.quarantine[source].insert_missing(frame, ("source_file", "raw_line"), props)
+            done += 1
+            say(f"  [{done}/{tables}] {sinks.quarantine[source].table.name}: quarantined lines added where missing")
+        late_column = late_time_column(job)
+        key = job.source.dedup_key
+        t = F.unix_millis(F.col(late_column))
+        absorbed = sinks.late.read().where((t >= lo) & (t < hi)).join(result.consumed, key, "left_semi")
+        absorbed = absorbed.select(key, late_column).cache()
+        n_absorbed = absorbed.count()
+        if n_absorbed:
+            sinks.late.delete_keys(absorbed, (key, late_column), props)
+        absorbed.unpersist()
+        done += 1
+        say(f"  [{done}/{tables}] {sinks.late.table.name}: {n_absorbed:,} late row(s) of the range removed "
+            "(the bounded result counts their events)")
+        main = result.main.cache()
+        rows = main.count()
+        sinks.main.replace_range(main, main_time_column(job), lo, hi, props)
+        main.unpersist()
+        done += 1
+        seconds = time.monotonic() - started
+        say(f"  [{done}/{tables}] {sinks.main.table.name}: {days}/{days} day partition(s) replaced, {rows:,} rows "
+            f"({result.stats.lines / max(seconds, 1e-9):,.0f} lines/s overall)")
+    finally:
+        result.release()
+    stats = BatchStats(**{**result.stats.__dict__, "rows_written": rows})
     return BackfillReport(job=job.name, start=start, end=end, stats=stats, seconds=time.monotonic() - started,
                           partitions=days)
-
-
-def _props(job: Job, lo: int, hi: int) -> dict[str, str]:
-    return {"lakestream.job": job.name, "lakestream.backfill": f"{iso_ms(from_epoch_ms(lo))}/{iso_ms(from_epoch_ms(hi))}"}
-
-
-def _replace(sinks: JobSinks, job: Job, main: DataFrame, late: DataFrame, quarantine: dict[str, DataFrame],
-             lo: int, hi: int, say) -> int:
-    props = _props(job, lo, hi)
-    for source, frame in quarantine.items():
-        sinks.quarantine[source].insert_missing(frame, ("source_file", "raw_line"), props)
-    sinks.late.replace_range(late, late_time_column(job), lo, hi, props)
-    say(f"  {sinks.late.table.name}: range replaced ({_days(lo, hi)} day partition(s); nothing is late in a bounded run)")
-    main = main.cache()
-    rows = main.count()
-    sinks.main.replace_range(main, main_time_column(job), lo, hi, props)
-    say(f"  {sinks.main.table.name}: range replaced ({_days(lo, hi)} day partition(s), {rows:,} rows)")
-    main.unpersist()
-    return rows
-
-
-def _windowed(job: WindowedJob, raw: DataFrame, lo: int, hi: int, sinks: JobSinks, say, started: float) -> BatchStats:
-    plan = plan_batch(job, raw, bounded=True, event_range_ms=job.window.events_for(lo, hi))
-    try:
-        stats = plan.stats()
-        seconds = time.monotonic() - started
-        say(f"  read {stats.lines:,} lines ({stats.lines / max(seconds, 1e-9):,.0f} lines/s), {stats.events:,} events "
-            f"for the range, {stats.quarantined:,} quarantined")
-        out = plan.finish(plan.next_watermark())
-        in_range = (F.col("window_start") >= F.lit(from_epoch_ms(lo))) & (F.col("window_start") < F.lit(from_epoch_ms(hi)))
-        quarantine = {s.name: plan.quarantine(s.name) for s in job.sources if plan.quarantined_by_source.get(s.name)}
-        rows = _replace(sinks, job, out.written.where(in_range), plan.late(), quarantine, lo, hi, say)
-        return BatchStats(**{**stats.__dict__, "rows_written": rows, "watermark_out_ms": plan.next_watermark()})
-    finally:
-        plan.release()
-
-
-def _keyed(spark, job: KeyedJob, raw: DataFrame, lo: int, hi: int, sinks: JobSinks, say, started: float) -> BatchStats:
-    from streaming.engine import POS_INF_MS, parse_sources
-    from streaming.keyed.spark import bounded_frame, schemas, split
-
-    parsed = parse_sources(job, raw)
-    t_ms = F.unix_millis(F.col(job.source.event_time))
-    first = lo - int(job.history / timedelta(milliseconds=1))
-    parsed = parsed.where(F.col("_reason").isNotNull() | ((t_ms >= first) & (t_ms < hi)))
-    frame = bounded_frame(job, parsed).cache()
-    try:
-        row = frame.agg(
-            F.count(F.when(F.col("_kind") == "q", 1)).alias("bad"),
-            F.coalesce(F.sum("_s_in"), F.lit(0)).alias("inputs"),
-            F.coalesce(F.sum("_s_dup"), F.lit(0)).alias("dups"),
-            F.max("_s_max_t").alias("max_t"),
-        ).first()
-        seconds = time.monotonic() - started
-        lines = row["inputs"] + row["bad"]
-        say(f"  ran the keyed function over {row['inputs']:,} events ({lines / max(seconds, 1e-9):,.0f} events/s), "
-            f"{row['bad']:,} quarantined")
-        main_schema, _ = schemas(spark, job)
-        parts = split(job, frame, main_schema)
-        column = F.unix_millis(F.col(job.time_column))
-        main = parts["main"].where((column >= lo) & (column < hi))
-        quarantine = {s.name: parts[f"quarantine:{s.name}"] for s in job.sources}
-        rows = _replace(sinks, job, main, parts["late"], quarantine, lo, hi, say)
-        return BatchStats(lines=lines, quarantined=row["bad"], events=row["inputs"] - row["dups"],
-                          duplicates=row["dups"], rows_written=rows, max_event_time_ms=row["max_t"],
-                          watermark_out_ms=POS_INF_MS)
-    finally:
-        frame.unpersist()

@@ -142,6 +142,22 @@ def cmd_backfill(args) -> int:
     return 0
 
 
+def cmd_reconcile(args) -> int:
+    from batch.reconcile import reconcile
+    from .session import get_spark
+
+    settings = _settings(args)
+    job, settings = _job(args, settings)
+    start, end = _range(args)
+    report = reconcile(get_spark(settings), settings, job, start, end)
+    print(report.table())
+    for example in report.examples:
+        print(f"  unexplained: {example}")
+    verdict = "UNEXPLAINED differences" if report.unexplained else "every difference explained"
+    print(f"{job.name}: {verdict} ({report.seconds:.1f}s); results appended to lake.ops.reconciliation")
+    return 1 if report.unexplained else 0
+
+
 def cmd_checkpoint_inspect(args) -> int:
     from .checkpoint import Thresholds, describe, inspect_checkpoint
     from .jobs import get_job
@@ -242,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--force", action="store_true",
                     help="also replace windows the live stream may still write (past its watermark minus lateness)")
     bf.set_defaults(fn=cmd_backfill)
+
+    rc = sub.add_parser("reconcile", help="compare what the stream wrote over [start, end) with a bounded "
+                        "recomputation; exit 1 when a difference is unexplained")
+    rc.add_argument("job")
+    rc.add_argument("--start", required=True, help="inclusive, e.g. 2026-11-20")
+    rc.add_argument("--end", required=True, help="exclusive")
+    rc.set_defaults(fn=cmd_reconcile)
 
     cp = sub.add_parser("checkpoint", help="look into a job's streaming checkpoint")
     cp_sub = cp.add_subparsers(dest="checkpoint_command", required=True, parser_class=_Parser)

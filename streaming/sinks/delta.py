@@ -133,6 +133,15 @@ class DeltaRsSink:
             data, condition, source_alias="s", target_alias="t", commit_properties=self._properties(None, properties)
         ).when_not_matched_insert_all().execute())
 
+    def delete_keys(self, frame: DataFrame, on: Sequence[str], properties: Mapping[str, str]) -> None:
+        data = to_arrow(frame.select(*on))
+        if data.num_rows == 0:
+            return
+        condition = " AND ".join(f"t.{c} = s.{c}" for c in on)
+        with_retries(self.table, lambda: self._dt().merge(
+            data, condition, source_alias="s", target_alias="t", commit_properties=self._properties(None, properties)
+        ).when_matched_delete().execute())
+
     # -- versions ------------------------------------------------------------------------
     def version(self) -> int | None:
         return self._dt().version() if self.exists() else None

@@ -156,6 +156,11 @@ class IcebergSink:
         statement = f"MERGE INTO {self.table.name} t USING {{view}} s ON {condition} WHEN NOT MATCHED THEN INSERT *"
         with_retries(self.table, lambda: self._sql_with(frame, statement, {k: str(v) for k, v in properties.items()}))
 
+    def delete_keys(self, frame: DataFrame, on: Sequence[str], properties: Mapping[str, str]) -> None:
+        condition = " AND ".join(f"t.`{c}` <=> s.`{c}`" for c in on)
+        statement = f"MERGE INTO {self.table.name} t USING {{view}} s ON {condition} WHEN MATCHED THEN DELETE"
+        with_retries(self.table, lambda: self._sql_with(frame, statement, {k: str(v) for k, v in properties.items()}))
+
     # -- versions ------------------------------------------------------------------------
     def version(self) -> int | None:
         """The current snapshot id (None: no table, or no snapshot yet)."""

@@ -1,0 +1,213 @@
+"""Reconciliation: does what the stream wrote agree with a bounded recomputation of the same range?
+
+For every unit of output — a window (keys + ``window_start``) of a windowed job, a row of a keyed
+job — the stream's table is compared with the bounded twin's result (computed, not written).
+Every difference is classified:
+
+* **late**: the late side output holds events that would change it (windows: a late row for that
+  window, or for sessions a late event within a gap of it; keyed jobs: a late event of the key at
+  or before the row's time) — the stream was right to leave them out;
+* **in flight**: the window is not final in the stream yet (``end + lateness > watermark``; keyed:
+  the row's time is past the watermark);
+* **unexplained**: anything else — a bug, or a table changed behind the stream's back.
+
+Per day the counts go to ``lake.ops.reconciliation`` (job, day, compared, matching, late, in
+flight, unexplained, watermark, time) and are printed as a table.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import date, datetime, timezone
+from functools import reduce
+
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from streaming.declaration import Job, KeyedJob, Table
+from streaming.durations import epoch_ms, from_epoch_ms, iso_ms
+from streaming.errors import LakestreamError
+from streaming.settings import Settings
+from streaming.sinks import sink_for
+from streaming.state import EngineState
+from streaming.tables import job_sinks, main_time_column
+from streaming.windows import Session
+
+from .bounded import compute
+
+RESULTS = Table("lake.ops.reconciliation")
+RESULT_SCHEMA = T.StructType([
+    T.StructField("job", T.StringType()),
+    T.StructField("day", T.DateType()),
+    T.StructField("range_start", T.TimestampType()),
+    T.StructField("range_end", T.TimestampType()),
+    T.StructField("compared", T.LongType()),
+    T.StructField("matching", T.LongType()),
+    T.StructField("late", T.LongType()),
+    T.StructField("in_flight", T.LongType()),
+    T.StructField("unexplained", T.LongType()),
+    T.StructField("watermark_ms", T.LongType()),
+    T.StructField("checked_at", T.TimestampType()),
+])
+
+
+class NothingToReconcileError(LakestreamError):
+    """The job has never streamed."""
+
+
+@dataclass(frozen=True)
+class DayResult:
+    day: date
+    compared: int
+    matching: int
+    late: int
+    in_flight: int
+    unexplained: int
+
+
+@dataclass
+class ReconcileReport:
+    job: str
+    start: datetime
+    end: datetime
+    watermark_ms: int
+    days: list[DayResult] = field(default_factory=list)
+    examples: list[str] = field(default_factory=list)  # a few unexplained differences
+    seconds: float = 0.0
+
+    @property
+    def unexplained(self) -> int:
+        return sum(d.unexplained for d in self.days)
+
+    def table(self) -> str:
+        head = f"{'day':10}  {'compared':>9}  {'matching':>9}  {'late':>6}  {'in flight':>9}  {'unexplained':>11}"
+        lines = [head, "-" * len(head)]
+        for d in self.days:
+            lines.append(f"{d.day.isoformat():10}  {d.compared:>9,}  {d.matching:>9,}  {d.late:>6,}  {d.in_flight:>9,}  "
+                         f"{d.unexplained:>11,}")
+        if not self.days:
+            lines.append("(no output in the range, in the stream's tables or in the bounded result)")
+        return "\n".join(lines)
+
+
+def reconcile(spark, settings: Settings, job: Job, start: datetime, end: datetime, *, progress=print,
+              record: bool = True) -> ReconcileReport:
+    say = progress or (lambda _m: None)
+    started = time.monotonic()
+    lo, hi = epoch_ms(start), epoch_ms(end)
+    last = EngineState(spark, settings.checkpoint_dir(job.name)).latest_record()
+    if last is None:
+        raise NothingToReconcileError(
+            f"{job.name} has never streamed (no checkpoint at {settings.checkpoint_dir(job.name)}); "
+            f"run `lakestream run {job.name}` first"
+        )
+    watermark = last.watermark_ms
+    say(f"{job.name}: reconciling [{iso_ms(start)}, {iso_ms(end)}) against a bounded recomputation "
+        f"(stream watermark {iso_ms(from_epoch_ms(watermark))})")
+    sinks = job_sinks(spark, settings, job)
+    bounded = compute(spark, settings, job, lo, hi, say)
+    try:
+        column = main_time_column(job)
+        t = F.unix_millis(F.col(column))
+        streamed = sinks.main.read().where((t >= lo) & (t < hi))
+        late = sinks.late.read()
+        units = (_keyed_units if isinstance(job, KeyedJob) else _window_units)(job, bounded.main, streamed, late, watermark)
+        units = units.cache()
+        counts = units.groupBy("day").agg(
+            F.count(F.lit(1)).alias("compared"),
+            F.count(F.when(F.col("status") == "match", 1)).alias("matching"),
+            F.count(F.when(F.col("status") == "late", 1)).alias("late"),
+            F.count(F.when(F.col("status") == "in_flight", 1)).alias("in_flight"),
+            F.count(F.when(F.col("status") == "unexplained", 1)).alias("unexplained"),
+        ).orderBy("day").collect()
+        examples = [r.what for r in units.where(F.col("status") == "unexplained").limit(5).collect()]
+        units.unpersist()
+    finally:
+        bounded.release()
+    report = ReconcileReport(job.name, start, end, watermark, examples=examples)
+    report.days = [DayResult(r.day, r.compared, r.matching, r.late, r.in_flight, r.unexplained) for r in counts]
+    report.seconds = time.monotonic() - started
+    if record:
+        _record(spark, settings, report)
+    return report
+
+
+def _record(spark, settings: Settings, report: ReconcileReport) -> None:
+    sink = sink_for(spark, settings, RESULTS)
+    sink.ensure(RESULT_SCHEMA, "day", "Stream/batch reconciliation results, one row per job, day and check")
+    now = datetime.now(timezone.utc)
+    rows = [(report.job, d.day, report.start, report.end, d.compared, d.matching, d.late, d.in_flight, d.unexplained,
+             report.watermark_ms, now) for d in report.days]
+    if rows:
+        from streaming.sinks import Commit
+
+        frame = spark.createDataFrame(rows, RESULT_SCHEMA)
+        sink.append(frame, Commit(f"reconcile:{report.job}", int(now.timestamp() * 1000)), may_exist=False)
+
+
+def _same(columns: list[str]) -> F.Column:
+    return reduce(lambda a, b: a & b, [F.col(f"b_{c}").eqNullSafe(F.col(f"s_{c}")) for c in columns], F.lit(True))
+
+
+def _window_units(job, bounded: DataFrame, streamed: DataFrame, late: DataFrame, watermark: int) -> DataFrame:
+    """One row per window of either side: day, status, and a description."""
+    keys = [*job.keys, "window_start"]
+    values = [c for c in bounded.columns if c not in keys]
+    b = bounded.select(*keys, *[F.col(c).alias(f"b_{c}") for c in values], F.lit(True).alias("_b"))
+    s = streamed.select(*keys, *[F.col(c).alias(f"s_{c}") for c in values], F.lit(True).alias("_s"))
+    # A window is identified by its keys and start (unique on both sides): explanations join back on them.
+    units = b.join(s, keys, "full_outer")
+    end = F.coalesce(F.col("b_window_end"), F.col("s_window_end"))
+    matched = F.coalesce(F.col("_b"), F.lit(False)) & F.coalesce(F.col("_s"), F.lit(False)) & _same(values)
+    if isinstance(job.window, Session):  # a late event within a gap of the session would have joined it
+        gap = F.expr(f"INTERVAL {job.window.gap_ms} MILLISECONDS")
+        events = late.select(*[F.col(k).alias(f"_l_{k}") for k in job.keys], F.col(job.source.event_time).alias("_lt"))
+        near = reduce(lambda a, b: a & b, [F.col(k) == F.col(f"_l_{k}") for k in job.keys],
+                      (F.col("_lt") >= F.col("window_start") - gap) & (F.col("_lt") <= end))
+        hits = units.join(events, near, "left_semi").select(*keys).distinct()
+    else:
+        hits = late.select(*keys).distinct()
+    units = units.join(hits.withColumn("_late", F.lit(True)), keys, "left")
+    lateness = job.watermark.allowed_lateness_ms
+    in_flight = F.unix_millis(end) + F.lit(lateness) > F.lit(watermark)
+    return units.select(
+        F.to_date("window_start").alias("day"),
+        F.when(matched, "match").when(F.col("_late").isNotNull(), "late").when(in_flight, "in_flight")
+        .otherwise("unexplained").alias("status"),
+        F.concat_ws(" ", *[F.concat(F.lit(f"{k}="), F.col(k).cast("string")) for k in keys],
+                    F.when(F.col("_b").isNull(), F.lit("only in the stream"))
+                    .when(F.col("_s").isNull(), F.lit("missing from the stream"))
+                    .otherwise(F.lit("values differ"))).alias("what"),
+    )
+
+
+def _keyed_units(job: KeyedJob, bounded: DataFrame, streamed: DataFrame, late: DataFrame, watermark: int) -> DataFrame:
+    """One row per distinct output row of either side (with multiplicities compared)."""
+    columns = bounded.columns
+    b = bounded.groupBy(*columns).agg(F.count(F.lit(1)).alias("_nb"))
+    s = streamed.groupBy(*columns).agg(F.count(F.lit(1)).alias("_ns"))
+    b = b.select(*[F.col(c).alias(f"b_{c}") for c in columns], "_nb")
+    s = s.select(*[F.col(c).alias(f"s_{c}") for c in columns], "_ns")
+    units = b.join(s, _same(columns), "full_outer")
+    for c in columns:
+        units = units.withColumn(c, F.coalesce(F.col(f"b_{c}"), F.col(f"s_{c}")))
+    matched = F.coalesce(F.col("_nb"), F.lit(0)) == F.coalesce(F.col("_ns"), F.lit(0))
+    keys = [k for k in job.keys if k in columns]
+    if keys:  # a row is affected by the key's earliest late event and everything after it
+        first_late = late.groupBy(*keys).agg(F.min(job.source.event_time).alias("_first_late"))
+        units = units.join(first_late, keys, "left").withColumn(
+            "_late", F.when(F.col("_first_late") <= F.col(job.time_column), F.lit(True)))
+    else:
+        units = units.withColumn("_late", F.lit(None).cast("boolean"))
+    in_flight = F.unix_millis(F.col(job.time_column)) > F.lit(watermark)
+    return units.select(
+        F.to_date(job.time_column).alias("day"),
+        F.when(matched, "match").when(F.col("_late").isNotNull(), "late").when(in_flight, "in_flight")
+        .otherwise("unexplained").alias("status"),
+        F.concat_ws(" ", *[F.concat(F.lit(f"{k}="), F.col(k).cast("string")) for k in (*keys, job.time_column)],
+                    F.when(F.col("_nb").isNull(), F.lit("only in the stream"))
+                    .when(F.col("_ns").isNull(), F.lit("missing from the stream"))
+                    .otherwise(F.lit("count differs"))).alias("what"),
+    )

@@ -1,0 +1,183 @@
+"""Backfills (Delta), a backfill beside the live stream, the ownership rule, and reconciliation.
+
+Expected values come from the oracle over the landing-zone files (``tests.oracle``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from dataclasses import replace
+from datetime import timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from batch.backfill import backfill, final_horizon_ms
+from batch.reconcile import reconcile
+from streaming.durations import epoch_ms
+from streaming.errors import OwnershipError
+from streaming.generator import generate
+from streaming.jobs import get_job
+from streaming.runner import run_stream
+from streaming.tables import job_sinks
+from tests import oracle
+from tests.conftest import SMALL
+
+JOB = "purchase_metrics"
+DAY1 = SMALL.start
+DAY2 = SMALL.start + timedelta(days=1)
+
+
+def windows_of(frame) -> dict:
+    out = {}
+    for r in frame.collect():
+        key = (r.user_id, epoch_ms(r.window_start))
+        assert key not in out, f"duplicate window {key}"
+        out[key] = (r.event_count, r.approved_count, r.declined_count, Decimal(r.amount_sum))
+    return out
+
+
+def bounded_oracle(landing: Path, lo, hi) -> dict:
+    frame = oracle.bounded_windows(landing, epoch_ms(lo), epoch_ms(hi))
+    return {(r.user_id, r.window_start_ms): (r.event_count, r.approved_count, r.declined_count, r.amount_sum)
+            for r in frame.itertuples()}
+
+
+def test_backfill_in_delta_equals_the_oracle_and_a_rerun_changes_nothing(spark, small_landing):
+    from deltalake import DeltaTable
+
+    settings = replace(small_landing, format="delta")
+    job = get_job(JOB, settings)
+    backfill(spark, settings, job, DAY1, DAY2, progress=None)
+    sinks = job_sinks(spark, settings, job)
+    expected = bounded_oracle(Path(settings.landing_dir("payments")), DAY1, DAY2)
+    assert windows_of(sinks.main.read()) == expected
+    files = len(DeltaTable(sinks.main.location()).file_uris())
+    version = sinks.main.version()
+
+    backfill(spark, settings, job, DAY1, DAY2, progress=None)
+    assert windows_of(sinks.main.read()) == expected
+    assert len(DeltaTable(sinks.main.location()).file_uris()) == files, "a re-run replaces, it does not add"
+    assert sinks.main.version() == version + 1  # exactly one atomic commit for the range
+    quarantined = sinks.quarantine["payments"].read().agg({"occurrences": "sum"}).first()[0]
+    assert quarantined == sum(1 for p in oracle.files_in_arrival_order(Path(settings.landing_dir("payments")))
+                              for line in oracle.read_lines(p) if oracle.validate(line) is None)
+
+
+def test_a_backfill_refuses_windows_the_stream_still_owns_unless_forced(spark, small_landing):
+    settings = small_landing.with_job(JOB, max_files_per_trigger=6)
+    job = get_job(JOB, settings)
+    run_stream(spark, settings, job, available_now=True, progress=None, install_signal_handlers=False)
+    horizon = final_horizon_ms(spark, settings, job)
+    assert epoch_ms(DAY1) < horizon < epoch_ms(DAY2)
+    with pytest.raises(OwnershipError, match="the live stream may still write windows after"):
+        backfill(spark, settings, job, DAY1, DAY2, progress=None)
+    said = []
+    backfill(spark, settings, job, DAY1, DAY2, progress=said.append, force=True)
+    assert any("--force" in line for line in said)
+
+
+def test_a_backfill_beside_the_live_stream_keeps_both_writers_commits(spark, lake, tmp_path):
+    """Day 1 is backfilled while the stream writes day 2 into the same tables: both finish, day 1
+    holds the bounded result and day 2 the stream's."""
+    settings = lake.with_job(JOB, max_files_per_trigger=1, trigger_interval=timedelta(milliseconds=200))
+    job = get_job(JOB, settings)
+    generate(SMALL, tmp_path / "day1", sources=("payments",))
+    generate(replace(SMALL, seed=8, start=DAY2), tmp_path / "day2", sources=("payments",))
+    landing = Path(settings.landing_dir("payments"))
+    landing.mkdir(parents=True)
+    day1 = oracle.files_in_arrival_order(tmp_path / "day1" / "payments")
+    day2 = oracle.files_in_arrival_order(tmp_path / "day2" / "payments")
+    for p in day1:
+        shutil.move(p, landing / p.name)
+    run_stream(spark, settings.with_job(JOB, max_files_per_trigger=3), job, available_now=True, progress=None,
+               install_signal_handlers=False)
+
+    stop, errors, reports = threading.Event(), [], []
+
+    def stream():
+        try:
+            reports.append(run_stream(spark, settings, job, available_now=False, progress=None, stop_event=stop,
+                                      install_signal_handlers=False))
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    runner = threading.Thread(target=stream, daemon=True)
+    runner.start()
+    fed = 0
+    # Feed day 2 until the stream's watermark makes day 1 final; then backfill day 1 while the
+    # rest of day 2 keeps arriving and streaming.
+    while (final_horizon_ms(spark, settings, job) or 0) < epoch_ms(DAY2):
+        assert fed < len(day2) and not errors, errors
+        shutil.move(day2[fed], landing / day2[fed].name)
+        fed += 1
+        time.sleep(2.5)
+    feeder_files = day2[fed:]
+
+    def feed():
+        for p in feeder_files:
+            shutil.move(p, landing / p.name)
+            time.sleep(1.0)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    backfill(spark, settings, job, DAY1, DAY2, progress=None)
+    feeder.join(timeout=120)
+    from streaming.checkpoint import inspect_checkpoint
+
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        report = inspect_checkpoint(JOB, settings.checkpoint_dir(JOB), settings.landing_dir("payments"))
+        if report.files_waiting == 0 and report.in_flight_batch is None and report.files_in_flight == 0:
+            break
+        assert not errors, errors
+        time.sleep(1)
+    stop.set()
+    runner.join(timeout=120)
+    assert not errors, errors
+
+    sinks = job_sinks(spark, settings, job)
+    table = windows_of(sinks.main.read())
+    expected_day1 = bounded_oracle(landing, DAY1, DAY2)
+    batches = [[line for p in day1[i:i + 3] for line in oracle.read_lines(landing / p.name)]
+               for i in range(0, len(day1), 3)]
+    batches += [oracle.read_lines(landing / p.name) for p in day2]
+    truth = oracle.replay_stream(batches)
+    expected_day2 = {k: v for k, v in truth.closed.items() if k[1] >= epoch_ms(DAY2)}
+    assert {k: v for k, v in table.items() if k[1] < epoch_ms(DAY2)} == expected_day1
+    assert {k: v for k, v in table.items() if k[1] >= epoch_ms(DAY2)} == expected_day2
+    late = sinks.late.read().collect()
+    assert not [r for r in late if r.window_start.timestamp() * 1000 < epoch_ms(DAY2)], "the backfill absorbed day 1's late events"
+    day2_late = {i for i in truth.late_ids if i.startswith("p8-")}
+    assert sorted(r.event_id for r in late) == sorted(day2_late)
+
+
+def test_reconciliation_explains_late_and_in_flight_differences_and_finds_deleted_rows(spark, small_landing):
+    from streaming.cli import main
+
+    settings = small_landing.with_job(JOB, max_files_per_trigger=3)
+    job = get_job(JOB, settings)
+    run_stream(spark, settings, job, available_now=True, progress=None, install_signal_handlers=False)
+    clean = reconcile(spark, settings, job, DAY1, DAY2, progress=None)
+    day = clean.days[0]
+    assert clean.unexplained == 0 and day.late > 0 and day.in_flight > 0 and day.matching > 0
+    assert day.compared == day.matching + day.late + day.in_flight
+
+    sinks = job_sinks(spark, settings, job)
+    # a streamed, final window that no late event touches: only damage can explain a difference there
+    clean_rows = sinks.main.read().join(sinks.late.read().select("user_id", "window_start"), ["user_id", "window_start"],
+                                        "left_anti").orderBy("user_id", "window_start").limit(2).collect()
+    assert len(clean_rows) == 2
+    for row in clean_rows:
+        sinks.main.delete_where(f"user_id = '{row.user_id}' AND window_start = TIMESTAMP '{row.window_start}'")
+    damaged = reconcile(spark, settings, job, DAY1, DAY2, progress=None)
+    assert damaged.unexplained == 2
+    assert all(any(r.user_id in e and "missing from the stream" in e for e in damaged.examples) for r in clean_rows)
+
+    code = main(["--home", str(settings.home), "reconcile", JOB, "--start", "2026-11-20", "--end", "2026-11-21"])
+    assert code == 1
+    recorded = spark.sql("SELECT job, unexplained FROM lake.ops.reconciliation ORDER BY checked_at").collect()
+    assert [r.unexplained for r in recorded][:2] == [0, damaged.unexplained]
