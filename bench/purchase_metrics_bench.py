@@ -36,6 +36,7 @@ from streaming.parse import AMOUNT_TYPE  # noqa: E402
 from streaming.runner import run_stream  # noqa: E402
 from streaming.session import get_spark  # noqa: E402
 from streaming.settings import Settings  # noqa: E402
+from streaming.tables import all_tables  # noqa: E402
 
 STEPS: list[dict[str, float]] = []  # per lakestream run: seconds per step of the batch handler
 PLAIN_TABLE = "lake.bench.plain_purchase_metrics"
@@ -47,7 +48,7 @@ SCHEMA = (
 
 
 def drop_job_tables(spark, job) -> None:
-    for table in (job.sink, job.late_sink, job.quarantine):
+    for table in all_tables(job):
         spark.sql(f"DROP TABLE IF EXISTS {table.name} PURGE")
 
 

@@ -72,6 +72,7 @@ class SourceReport:
     malformed: int = 0
     late: int = 0
     file_names: list[str] = field(default_factory=list)
+    last_mtime_ns: int = 0  # files get strictly increasing modification times, across flushes too
 
 
 _MALFORMED_JSON = ('{"event_id": "broken-{i}", "event_time": ', "not json at all #{i}", "[{i}, 2, 3]", "")
@@ -83,11 +84,24 @@ def _user_weights(cfg: GeneratorConfig) -> np.ndarray:
     return weights / weights.sum()
 
 
-def _simulate(cfg: GeneratorConfig, source: str, rate: float) -> tuple[np.ndarray, list[str], SourceReport]:
-    """All lines of one source with their arrival times (ms), unsorted."""
+CHUNK_MS = 3_600_000  # event time is simulated an hour at a time, so a day never sits in memory at once
+
+
+def _iso(times_ms: np.ndarray) -> np.ndarray:
+    """ISO-8601 UTC with milliseconds and a Z, vectorised."""
+    return np.char.add(np.datetime_as_string(times_ms.astype("datetime64[ms]"), unit="ms"), "Z")
+
+
+def _simulate(cfg: GeneratorConfig, source: str, rate: float, chunk: int = 0,
+              chunk_ms: int | None = None) -> tuple[np.ndarray, list[str], SourceReport]:
+    """The lines of one source whose event time lies in chunk ``chunk`` of ``chunk_ms`` (default:
+    the whole duration), with their arrival times (ms), unsorted."""
     salt = {"payments": 1, "logins": 2}[source]
-    rng = np.random.default_rng([cfg.seed, salt, epoch_ms(cfg.start)])
-    start_ms, dur_ms = epoch_ms(cfg.start), to_ms(cfg.duration)
+    rng = np.random.default_rng([cfg.seed, salt, epoch_ms(cfg.start), chunk])
+    origin, total_ms = epoch_ms(cfg.start), to_ms(cfg.duration)
+    chunk_ms = chunk_ms or total_ms
+    start_ms = origin + chunk * chunk_ms
+    dur_ms = min(chunk_ms, origin + total_ms - start_ms)
     n = int(round(rate * dur_ms / 1000))
     t = start_ms + np.sort(rng.integers(0, dur_ms, n))
     user = rng.choice(cfg.users, size=n, p=_user_weights(cfg))
@@ -95,7 +109,8 @@ def _simulate(cfg: GeneratorConfig, source: str, rate: float) -> tuple[np.ndarra
     late = rng.random(n) < cfg.late_fraction
     delay[late] = rng.integers(to_ms(cfg.late_min), to_ms(cfg.late_max) + 1, int(late.sum()))
     arrival = t + delay
-    prefix = f"{source[0]}{cfg.seed}-{start_ms // 1000}"
+    prefix = f"{source[0]}{cfg.seed}-{origin // 1000}-{chunk:04d}" if chunk_ms < total_ms else f"{source[0]}{cfg.seed}-{origin // 1000}"
+    when = _iso(t)
     if source == "payments":
         cards = rng.integers(0, 3, n) % (1 + user % 3)
         merchant = rng.integers(0, cfg.merchants, n)
@@ -103,37 +118,26 @@ def _simulate(cfg: GeneratorConfig, source: str, rate: float) -> tuple[np.ndarra
         risky = (user % 25) == 0
         declined = rng.random(n) < np.where(risky, 0.45, 0.06)
         currencies = np.array(["EUR", "USD", "GBP"])[user % 3]
-        records = [
-            {
-                "event_id": f"{prefix}-{i:08d}",
-                "event_time": iso_ms(from_epoch_ms(int(t[i]))),
-                "card_id": f"c{user[i]:05d}-{cards[i]}",
-                "user_id": f"u{user[i]:05d}",
-                "merchant_id": f"m{merchant[i]:04d}",
-                "amount": float(f"{cents[i] // 100}.{cents[i] % 100:02d}"),
-                "currency": str(currencies[i]),
-                "status": "DECLINED" if declined[i] else "APPROVED",
-            }
-            for i in range(n)
+        lines = [
+            f'{{"event_id":"{prefix}-{i:08d}","event_time":"{when[i]}","card_id":"c{u:05d}-{c}",'
+            f'"user_id":"u{u:05d}","merchant_id":"m{m:04d}","amount":{a / 100!r},"currency":"{cur}",'
+            f'"status":"{"DECLINED" if d else "APPROVED"}"}}'
+            for i, (u, c, m, a, cur, d) in enumerate(zip(user.tolist(), cards.tolist(), merchant.tolist(),
+                                                           cents.tolist(), currencies.tolist(), declined.tolist()))
         ]
     else:
         failed = rng.random(n) < np.where((user % 20) == 0, 0.5, 0.1)
         octets = rng.integers(1, 255, (n, 2))
-        records = [
-            {
-                "event_id": f"{prefix}-{i:08d}",
-                "event_time": iso_ms(from_epoch_ms(int(t[i]))),
-                "user_id": f"u{user[i]:05d}",
-                "status": "FAILED" if failed[i] else "SUCCESS",
-                "ip": f"10.{user[i] % 250}.{octets[i, 0]}.{octets[i, 1]}",
-            }
-            for i in range(n)
+        lines = [
+            f'{{"event_id":"{prefix}-{i:08d}","event_time":"{when[i]}","user_id":"u{u:05d}",'
+            f'"status":"{"FAILED" if f else "SUCCESS"}","ip":"10.{u % 250}.{o1}.{o2}"}}'
+            for i, (u, f, o1, o2) in enumerate(zip(user.tolist(), failed.tolist(), octets[:, 0].tolist(),
+                                                   octets[:, 1].tolist()))
         ]
-    lines = [json.dumps(r, separators=(",", ":")) for r in records]
     dup = np.flatnonzero(rng.random(n) < cfg.duplicate_fraction)
     dup_arrival = arrival[dup] + rng.integers(0, 30_000, dup.size)
     m = int(round(n * cfg.malformed_fraction))
-    bad_arrival = start_ms + rng.integers(0, dur_ms, m)
+    bad_arrival = start_ms + rng.integers(0, max(1, dur_ms), m)
     bad_lines = [_malformed(k, lines[int(rng.integers(0, n))] if n else "{}", prefix) for k in range(m)]
     report = SourceReport(source=source, events=n, duplicates=int(dup.size), malformed=m, late=int(late.sum()))
     all_arrival = np.concatenate([arrival, dup_arrival, bad_arrival])
@@ -166,7 +170,7 @@ def _write_files(folder: Path, source: str, seed: int, arrival: np.ndarray, line
     folder.mkdir(parents=True, exist_ok=True)
     order = np.argsort(arrival, kind="stable")
     buckets = (arrival[order] - origin_ms) // file_ms
-    mtime_ns = time.time_ns()
+    mtime_ns = max(time.time_ns(), report.last_mtime_ns)
     boundaries = np.flatnonzero(np.diff(buckets)) + 1
     for chunk in np.split(np.arange(order.size), boundaries):
         if chunk.size == 0:
@@ -186,20 +190,52 @@ def _write_files(folder: Path, source: str, seed: int, arrival: np.ndarray, line
         os.utime(tmp, ns=(mtime_ns, mtime_ns))
         os.replace(tmp, path)
         report.files += 1
+        report.last_mtime_ns = mtime_ns
 
 
-def generate(cfg: GeneratorConfig, landing: str | Path, sources: tuple[str, ...] = ("payments", "logins")) -> dict[str, SourceReport]:
-    """Write the configured events into ``landing/<source>/``; returns a report per source."""
+def generate(cfg: GeneratorConfig, landing: str | Path, sources: tuple[str, ...] = ("payments", "logins"),
+             echo=None) -> dict[str, SourceReport]:
+    """Write the configured events into ``landing/<source>/``; returns a report per source.
+
+    Event time is simulated an hour at a time; after each hour the files of every arrival minute
+    that no later hour can add to are written, so memory stays at about an hour of events.
+    """
     reports = {}
+    total_ms = to_ms(cfg.duration)
+    chunks = -(-total_ms // CHUNK_MS)
+    file_ms = cfg.file_seconds * 1000
+    origin = epoch_ms(cfg.start)
     for source in sources:
         rate = cfg.rate if source == "payments" else cfg.rate * cfg.login_ratio
-        arrival, lines, report = _simulate(cfg, source, rate)
-        _write_files(Path(landing) / source, source, cfg.seed, arrival, lines, cfg.file_seconds * 1000,
-                     epoch_ms(cfg.start), report)
+        report = SourceReport(source=source)
+        pending_arrival: list[np.ndarray] = []
+        pending_lines: list[str] = []
+        for chunk in range(chunks):
+            arrival, lines, part = _simulate(cfg, source, rate, chunk, CHUNK_MS if chunks > 1 else None)
+            for name in ("events", "duplicates", "malformed", "late"):
+                setattr(report, name, getattr(report, name) + getattr(part, name))
+            pending_arrival.append(arrival)
+            pending_lines += lines
+            arrivals = np.concatenate(pending_arrival)
+            if chunk < chunks - 1:  # later hours only add arrivals at or after the next hour's start
+                cut = origin + (chunk + 1) * CHUNK_MS
+                cut -= (cut - origin) % file_ms  # whole files only
+            else:
+                cut = None
+            ready = np.ones(arrivals.size, bool) if cut is None else arrivals < cut
+            idx = np.flatnonzero(ready)
+            _write_files(Path(landing) / source, source, cfg.seed, arrivals[idx], [pending_lines[i] for i in idx],
+                         file_ms, origin, report)
+            keep = np.flatnonzero(~ready)
+            pending_arrival = [arrivals[keep]]
+            pending_lines = [pending_lines[i] for i in keep]
+            if echo and chunks > 1:
+                echo(f"  {source}: {chunk + 1}/{chunks} hours simulated, {len(report.file_names)} files written")
         reports[source] = report
     manifest = Path(landing) / "_manifests" / f"seed{cfg.seed}-{epoch_ms(cfg.start) // 1000}.json"
     manifest.parent.mkdir(parents=True, exist_ok=True)
-    manifest.write_text(json.dumps({k: {**asdict(v), "file_names": len(v.file_names)} for k, v in reports.items()}, indent=1))
+    manifest.write_text(json.dumps({k: {**asdict(v), "file_names": len(v.file_names)} for k, v in reports.items()},
+                                   indent=1))
     return reports
 
 
