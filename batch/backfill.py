@@ -53,6 +53,7 @@ class BackfillReport:
     stats: BatchStats
     seconds: float
     partitions: int  # day partitions replaced per table
+    reconciliation: object | None = None  # the stream compared with the bounded result, before the replace
 
     @property
     def events_per_second(self) -> float:
@@ -109,8 +110,13 @@ def day_partitions(lo_ms: int, hi_ms: int) -> int:
 
 
 def backfill(spark, settings: Settings, job: Job, start: datetime, end: datetime, *,
-             progress: Callable[[str], None] | None = print, force: bool = False) -> BackfillReport:
-    """Recompute ``job`` over ``[start, end)`` and make every sink table hold that result."""
+             progress: Callable[[str], None] | None = print, force: bool = False,
+             reconcile_first: bool = False) -> BackfillReport:
+    """Recompute ``job`` over ``[start, end)`` and make every sink table hold that result.
+
+    ``reconcile_first`` also compares what the stream wrote with the bounded result before
+    replacing it (the same computation serves both), recorded in ``lake.ops.reconciliation``.
+    """
     say = progress or (lambda _m: None)
     check_range(start, end)
     lo, hi = epoch_ms(start), epoch_ms(end)
@@ -122,7 +128,15 @@ def backfill(spark, settings: Settings, job: Job, start: datetime, end: datetime
     say(f"{job.name}: backfill [{iso_ms(start)}, {iso_ms(end)}): {days} day partition(s) in each of {tables} tables")
     result = compute(spark, settings, job, lo, hi, say)
     props = {"lakestream.job": job.name, "lakestream.backfill": f"{iso_ms(start)}/{iso_ms(end)}"}
+    reconciliation = None
     try:
+        if reconcile_first and EngineState(spark, settings.checkpoint_dir(job.name)).latest_record() is not None:
+            from .reconcile import compare, record_results, stream_watermark
+
+            reconciliation = compare(spark, settings, job, result, stream_watermark(spark, settings, job), start, end)
+            record_results(spark, settings, reconciliation)
+            say(f"  the stream before the replace: {reconciliation.unexplained} unexplained difference(s)\n"
+                + reconciliation.table())
         done = 0
         for source, frame in result.quarantine.items():
             sinks.quarantine[source].insert_missing(frame, ("source_file", "raw_line"), props)
@@ -152,4 +166,4 @@ def backfill(spark, settings: Settings, job: Job, start: datetime, end: datetime
         result.release()
     stats = BatchStats(**{**result.stats.__dict__, "rows_written": rows})
     return BackfillReport(job=job.name, start=start, end=end, stats=stats, seconds=time.monotonic() - started,
-                          partitions=days)
+                          partitions=days, reconciliation=reconciliation)

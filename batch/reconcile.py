@@ -92,49 +92,60 @@ class ReconcileReport:
         return "\n".join(lines)
 
 
-def reconcile(spark, settings: Settings, job: Job, start: datetime, end: datetime, *, progress=print,
-              record: bool = True) -> ReconcileReport:
-    say = progress or (lambda _m: None)
-    started = time.monotonic()
-    lo, hi = epoch_ms(start), epoch_ms(end)
+def stream_watermark(spark, settings: Settings, job: Job) -> int:
     last = EngineState(spark, settings.checkpoint_dir(job.name)).latest_record()
     if last is None:
         raise NothingToReconcileError(
             f"{job.name} has never streamed (no checkpoint at {settings.checkpoint_dir(job.name)}); "
             f"run `lakestream run {job.name}` first"
         )
-    watermark = last.watermark_ms
+    return last.watermark_ms
+
+
+def reconcile(spark, settings: Settings, job: Job, start: datetime, end: datetime, *, progress=print,
+              record: bool = True) -> ReconcileReport:
+    """Recompute ``[start, end)`` with the bounded twin and compare the stream's tables with it."""
+    say = progress or (lambda _m: None)
+    watermark = stream_watermark(spark, settings, job)
     say(f"{job.name}: reconciling [{iso_ms(start)}, {iso_ms(end)}) against a bounded recomputation "
         f"(stream watermark {iso_ms(from_epoch_ms(watermark))})")
-    sinks = job_sinks(spark, settings, job)
-    bounded = compute(spark, settings, job, lo, hi, say)
+    started = time.monotonic()
+    bounded = compute(spark, settings, job, epoch_ms(start), epoch_ms(end), say)
     try:
-        column = main_time_column(job)
-        t = F.unix_millis(F.col(column))
-        streamed = sinks.main.read().where((t >= lo) & (t < hi))
-        late = sinks.late.read()
-        units = (_keyed_units if isinstance(job, KeyedJob) else _window_units)(job, bounded.main, streamed, late, watermark)
-        units = units.cache()
-        counts = units.groupBy("day").agg(
-            F.count(F.lit(1)).alias("compared"),
-            F.count(F.when(F.col("status") == "match", 1)).alias("matching"),
-            F.count(F.when(F.col("status") == "late", 1)).alias("late"),
-            F.count(F.when(F.col("status") == "in_flight", 1)).alias("in_flight"),
-            F.count(F.when(F.col("status") == "unexplained", 1)).alias("unexplained"),
-        ).orderBy("day").collect()
-        examples = [r.what for r in units.where(F.col("status") == "unexplained").limit(5).collect()]
-        units.unpersist()
+        report = compare(spark, settings, job, bounded, watermark, start, end)
     finally:
         bounded.release()
-    report = ReconcileReport(job.name, start, end, watermark, examples=examples)
-    report.days = [DayResult(r.day, r.compared, r.matching, r.late, r.in_flight, r.unexplained) for r in counts]
     report.seconds = time.monotonic() - started
     if record:
-        _record(spark, settings, report)
+        record_results(spark, settings, report)
     return report
 
 
-def _record(spark, settings: Settings, report: ReconcileReport) -> None:
+def compare(spark, settings: Settings, job: Job, bounded, watermark: int, start: datetime, end: datetime) -> ReconcileReport:
+    """Compare the stream's tables over the range with an already computed bounded result."""
+    lo, hi = epoch_ms(start), epoch_ms(end)
+    sinks = job_sinks(spark, settings, job)
+    column = main_time_column(job)
+    t = F.unix_millis(F.col(column))
+    streamed = sinks.main.read().where((t >= lo) & (t < hi))
+    late = sinks.late.read()
+    units = (_keyed_units if isinstance(job, KeyedJob) else _window_units)(job, bounded.main, streamed, late, watermark)
+    units = units.cache()
+    counts = units.groupBy("day").agg(
+        F.count(F.lit(1)).alias("compared"),
+        F.count(F.when(F.col("status") == "match", 1)).alias("matching"),
+        F.count(F.when(F.col("status") == "late", 1)).alias("late"),
+        F.count(F.when(F.col("status") == "in_flight", 1)).alias("in_flight"),
+        F.count(F.when(F.col("status") == "unexplained", 1)).alias("unexplained"),
+    ).orderBy("day").collect()
+    examples = [r.what for r in units.where(F.col("status") == "unexplained").limit(5).collect()]
+    units.unpersist()
+    report = ReconcileReport(job.name, start, end, watermark, examples=examples)
+    report.days = [DayResult(r.day, r.compared, r.matching, r.late, r.in_flight, r.unexplained) for r in counts]
+    return report
+
+
+def record_results(spark, settings: Settings, report: ReconcileReport) -> None:
     sink = sink_for(spark, settings, RESULTS)
     sink.ensure(RESULT_SCHEMA, "day", "Stream/batch reconciliation results, one row per job, day and check")
     now = datetime.now(timezone.utc)

@@ -1,95 +1,76 @@
-"""One asset factory: a job declaration -> the Dagster assets of its stream.
+"""One asset factory over the job registry: each job's tables as daily-partitioned assets whose
+materialization is the job's bounded twin.
 
-The landing folder is an external asset upstream of the job's tables, so lineage reads
-landing/payments -> lake/payments/purchase_metrics (+ its late side output).
+Materializing partitions of a job's tables (a partition backfill from the UI, or the daily
+schedule) runs ``batch.backfill`` over their time window in one run (``BackfillPolicy.single_run``):
+the same declaration and transform as the stream, with a perfect watermark. Before replacing the
+range it compares what the stream wrote with the bounded result and reports that comparison as
+the ``reconciliation`` check of each day partition. While the stream runs, its batches record
+materializations of the same assets (``streams``).
 """
+
 
 import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 
-from streaming.declaration import Job, Table
-from streaming.durations import parse_duration
+from streaming.declaration import Job
 from streaming.jobs import get_job
-from streaming.runner import describe_watermark, run_stream
+from streaming.settings import Settings
 
 from .resources import LakestreamResource
+from .tables import table_key, table_spec
+
+RECONCILIATION = "reconciliation"
 
 
-def table_key(table: Table) -> dg.AssetKey:
-    return dg.AssetKey(table.name.split("."))
+class BoundedConfig(dg.Config):
+    force: bool = False  # also replace windows the live stream may still write (see lakestream backfill --force)
 
 
-def landing_key(source: str) -> dg.AssetKey:
-    return dg.AssetKey(["landing", source])
-
-
-def landing_specs(sources: list[str]) -> list[dg.AssetSpec]:
+def reconciliation_evaluations(job: Job, report) -> list[dg.AssetCheckEvaluation]:
+    """One check evaluation per day partition of a reconciliation report."""
     return [
-        dg.AssetSpec(
-            landing_key(name),
-            description=f"JSON-lines files of {name} events, filled in arrival order ($LAKESTREAM_HOME/landing/{name}).",
-            group_name="landing",
-            kinds={"json"},
+        dg.AssetCheckEvaluation(
+            asset_key=table_key(job.sink), check_name=RECONCILIATION, partition=day.day.isoformat(),
+            passed=day.unexplained == 0,
+            severity=dg.AssetCheckSeverity.ERROR,
+            description=f"{day.unexplained} unexplained difference(s) between the stream and the bounded twin"
+            if day.unexplained else "every difference is explained by late data or windows still in flight",
+            metadata={"compared": day.compared, "matching": day.matching, "late": day.late,
+                      "in_flight": day.in_flight, "unexplained": day.unexplained,
+                      "examples": "\n".join(report.examples) or "-"},
         )
-        for name in sources
+        for day in report.days
     ]
 
 
-class StreamConfig(dg.Config):
-    """How to run the stream: consume what is there and stop, or keep running until terminated."""
+def bounded_assets(settings: Settings, job: Job, partitions_def) -> dg.AssetsDefinition:
+    specs = [table_spec(settings, job, job.sink, "main", partitions_def),
+             table_spec(settings, job, job.late_sink, "late", partitions_def)]
 
-    mode: str = "available_now"  # "available_now" (consume what exists, stop) | "continuous"
-    trigger_interval: str = "5s"
-
-
-def stream_assets(job: Job) -> dg.AssetsDefinition:
-    domain = job.sink.namespace.split(".")[1]
-    specs = [
-        dg.AssetSpec(
-            table_key(job.sink),
-            deps=[landing_key(s.name) for s in job.sources],
-            description=job.description,
-            group_name=domain,
-            owners=[f"team:{job.owner}"],
-            kinds={"iceberg", "spark"},
-            metadata={"keys": ", ".join(job.keys), "table": job.sink.name},
-        ),
-        dg.AssetSpec(
-            table_key(job.late_sink),
-            deps=[landing_key(s.name) for s in job.sources],
-            description=f"Late side output of {job.name}: events that arrived after their window closed.",
-            group_name=domain,
-            kinds={"iceberg"},
-        ),
-    ]
-
-    @dg.multi_asset(name=job.name, specs=specs, description=f"Run {job.name} as a stream.")
-    def _stream(context: dg.AssetExecutionContext, config: StreamConfig, lakestream: LakestreamResource,
+    @dg.multi_asset(name=f"{job.name}_bounded", specs=specs, partitions_def=partitions_def,
+                    backfill_policy=dg.BackfillPolicy.single_run(), op_tags={"kind": "spark"},
+                    description=f"Bounded twin of {job.name}: recompute the chosen days and replace them in its tables.")
+    def bounded(context: dg.AssetExecutionContext, config: BoundedConfig, lakestream: LakestreamResource,
                 pyspark: LazyPySparkResource):
-        if config.mode not in ("available_now", "continuous"):
-            raise dg.Failure(f"mode must be 'available_now' or 'continuous', got {config.mode!r}")
-        settings = lakestream.settings().with_job(
-            job.name, trigger_interval=parse_duration(config.trigger_interval, field="trigger_interval")
-        )
-        declared = get_job(job.name, settings)
-        spark = lakestream.spark(pyspark)
-        report = run_stream(
-            spark, settings, declared, available_now=config.mode == "available_now",
-            progress=lambda r: context.log.info(
-                f"batch {r.batch_id}: {r.stats.lines} lines, {r.stats.late} late, {r.stats.quarantined} quarantined, "
-                f"{r.stats.rows_written} rows; watermark {describe_watermark(r.stats.watermark_out_ms)}"
-            ),
-            install_signal_handlers=False,
-        )
-        s = report.stats
-        watermark = describe_watermark(report.totals.watermark_out_ms if report.totals else None)
-        yield dg.MaterializeResult(
-            asset_key=table_key(job.sink),
-            metadata={
-                "batches": report.batches, "lines": s.lines, "events": s.events, "late": s.late,
-                "quarantined": s.quarantined, "rows_written": s.rows_written, "watermark": watermark,
-            },
-        )
-        yield dg.MaterializeResult(asset_key=table_key(job.late_sink), metadata={"late_rows_added": s.late})
+        from batch.backfill import backfill
 
-    return _stream
+        window = context.partition_time_window
+        run_settings = lakestream.settings()
+        declared = get_job(job.name, run_settings)
+        spark = lakestream.spark(pyspark)
+        report = backfill(spark, run_settings, declared, window.start, window.end, progress=context.log.info,
+                          force=config.force, reconcile_first=True)
+        if report.reconciliation is not None:
+            for evaluation in reconciliation_evaluations(declared, report.reconciliation):
+                context.instance.report_runless_asset_event(evaluation)
+        s = report.stats
+        common = {"range": f"{window.start.isoformat()} .. {window.end.isoformat()}", "days": report.partitions,
+                  "seconds": round(report.seconds, 1), "lines_per_s": round(report.events_per_second)}
+        yield dg.MaterializeResult(asset_key=table_key(declared.sink), metadata={
+            **common, "rows_written": s.rows_written, "events": s.events, "quarantined": s.quarantined,
+            "duplicates": s.duplicates})
+        yield dg.MaterializeResult(asset_key=table_key(declared.late_sink), metadata={
+            **common, "note": "nothing is late in a bounded run: the range's late rows are counted in the main table"})
+
+    return bounded

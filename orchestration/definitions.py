@@ -1,4 +1,5 @@
-"""Dagster entry point (workspace.yaml): wires the job registry into assets, jobs and resources."""
+"""Dagster entry point (workspace.yaml): wires the job registry into assets, jobs, checks, sensors,
+schedules and resources. A new job module needs no edit here."""
 
 from __future__ import annotations
 
@@ -7,19 +8,36 @@ import dagster as dg
 from streaming.jobs import registry
 from streaming.settings import Settings
 
-from .assets import landing_specs, stream_assets
+from .assets import bounded_assets
+from .checks import job_checks, quarantine_check
+from .dbt import dbt_definitions
 from .resources import LakestreamResource, pyspark_resource
+from .schedules import daily_backfill, savepoint_job, savepoint_schedule
+from .sensors import health_sensor, supervisor_sensor
+from .streams import stream_job
+from .tables import landing_assets, partitions, quarantine_spec
 
 
 def build_definitions(settings: Settings | None = None, home: str | None = None) -> dg.Definitions:
-    jobs = registry().values()
     lakestream = LakestreamResource(home=home)
     settings = settings or lakestream.settings()
-    streams = [stream_assets(job) for job in jobs]
+    jobs = list(registry().values())
+    sources = list({s.name: s for j in jobs for s in j.sources}.values())
+    days = partitions(settings)
+    bounded = [bounded_assets(settings, j, days) for j in jobs]
+    streams = [stream_job(j, days) for j in jobs]
+    marts, dbt = dbt_definitions(settings)
+    savepoints = savepoint_job(jobs)
+    backfill_job, backfill_schedule = daily_backfill(jobs, bounded, days)
     return dg.Definitions(
-        assets=[*landing_specs(sorted({s.name for j in jobs for s in j.sources})), *streams],
-        jobs=[dg.define_asset_job(f"{a.node_def.name}_stream", selection=dg.AssetSelection.assets(a)) for a in streams],
-        resources={"lakestream": lakestream, "pyspark": pyspark_resource(settings)},
+        assets=[landing_assets(sources, jobs), *[quarantine_spec(settings, s) for s in sources], *bounded, marts],
+        asset_checks=[*[c for j in jobs for c in job_checks(j, days)], *[quarantine_check(s, jobs) for s in sources]],
+        jobs=[*streams, savepoints, backfill_job,
+              dg.define_asset_job("marts_build", selection=dg.AssetSelection.assets(marts),
+                                  description="dbt build of the marts (models and their tests)")],
+        sensors=[health_sensor(jobs), supervisor_sensor(jobs, streams)],
+        schedules=[savepoint_schedule(savepoints), backfill_schedule],
+        resources={"lakestream": lakestream, "pyspark": pyspark_resource(settings), "dbt": dbt},
     )
 
 

@@ -1,12 +1,15 @@
-"""Dagster resources: the lakestream settings, and dagster-pyspark's resource built from them."""
+"""Dagster resources: lakestream's settings, and the ecosystem's own resources built from them
+(dagster-pyspark's ``LazyPySparkResource``, dagster-dbt's ``DbtCliResource``)."""
 
+from __future__ import annotations
 
 import os
 
 import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 
-from streaming.session import check_java, get_spark, prepare_environment, spark_conf
+from streaming import session as spark_session
+from streaming.session import check_java, prepare_environment, spark_conf
 from streaming.settings import Settings
 
 
@@ -23,13 +26,17 @@ class LakestreamResource(dg.ConfigurableResource):
         return Settings.load(env, config_file=self.config_file)
 
     def spark(self, pyspark: LazyPySparkResource):
-        """The SparkSession, after lakestream's startup checks (Java, Iceberg jar)."""
+        """The run's SparkSession, built by dagster-pyspark from lakestream's conf, after lakestream's
+        startup checks (Java, Python workers). It becomes the process's shared session."""
         settings = self.settings()
+        if spark_session._SESSION is not None and spark_session._SESSION._jsc is not None:  # noqa: SLF001
+            return spark_session._SESSION  # noqa: SLF001 - e.g. an in-process test run
         check_java()
         prepare_environment(settings.spark_master.startswith("local"))
-        if not pyspark.spark_config:
-            return get_spark(settings)
-        return pyspark.spark_session
+        session = pyspark.spark_session
+        session.sparkContext.setLogLevel("ERROR")
+        spark_session._SESSION = session  # noqa: SLF001 - one session per process
+        return session
 
 
 def pyspark_resource(settings: Settings) -> LazyPySparkResource:

@@ -183,7 +183,8 @@ class WindowedHandler(_Handler):
                     tables[sink.table.name] = TableWrite(count)
             if stats.late:
                 self._write(self.sinks.late, plan.late(), commit, replay)
-                tables[self.sinks.late.table.name] = TableWrite(stats.late)
+                late = _range(plan.late(), "window_start")
+                tables[self.sinks.late.table.name] = TableWrite(stats.late, 0, late["lo"], late["hi"])
             t = timed("commit quarantine + late", t)
             deleted = span.get("deleted", 0) or 0
             if span["n"]:
@@ -255,7 +256,8 @@ class KeyedHandler(_Handler):
                     tables[sink.table.name] = TableWrite(row[f"q_{source.name}"])
             if row["late"]:
                 self._write(self.sinks.late, parts["late"], commit, replay)
-                tables[self.sinks.late.table.name] = TableWrite(row["late"])
+                late = _range(parts["late"], job.source.event_time)
+                tables[self.sinks.late.table.name] = TableWrite(row["late"], 0, late["lo"], late["hi"])
             if row["out"]:
                 span = _range(parts["main"], job.time_column)
                 self._write(self.sinks.main, parts["main"], commit, replay)

@@ -14,6 +14,7 @@ import signal
 import socket
 import threading
 import time
+from typing import Callable
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
@@ -196,8 +197,14 @@ def run_stream(
     stop_event: threading.Event | None = None,
     install_signal_handlers: bool = True,
     fault: FaultFn | None = None,
+    tick: Callable[[object], None] | None = None,
 ) -> StreamReport:
-    """Run until the input is consumed (available-now) or until stopped (SIGINT/SIGTERM/``stop_event``)."""
+    """Run until the input is consumed (available-now) or until stopped (SIGINT/SIGTERM/``stop_event``).
+
+    ``progress`` is called after each committed batch, on Spark's batch thread; ``tick(query)`` is
+    called about twice a second (and once at the end) on the calling thread, e.g. to publish
+    progress from there.
+    """
     query, report = start_stream(spark, settings, job, available_now=available_now, progress=progress, fault=fault)
     control = StreamControl(spark, settings.checkpoint_dir(job.name))
     control.mark_running(report.query_id)
@@ -225,6 +232,8 @@ def run_stream(
                 stop_gracefully(query, report)
                 break
             query.awaitTermination(0.5)
+            if tick is not None:
+                tick(query)
         if query.exception() is not None:
             raise query.exception()
     except BaseException:
@@ -235,4 +244,6 @@ def run_stream(
         control.clear()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if tick is not None:
+            tick(query)
     return report

@@ -22,6 +22,7 @@ YAML keys (all optional)::
       shuffle_partitions: 8
       conf: {spark.executor.memory: 4g}
     format: iceberg                   # table format of every sink: iceberg (default) | delta
+    partitions_start: 2026-11-01      # first day of the tables' daily partitions (Dagster)
     delta:
       engine: delta-rs                # delta-rs (default) | spark (needs delta-spark's jars)
       storage_options: {AWS_REGION: eu-west-1}   # delta-rs object-store options
@@ -53,7 +54,7 @@ from .durations import parse_duration
 from .errors import ConfigError
 
 _TOP_KEYS = {"landing", "warehouse", "delta_root", "checkpoints", "savepoints", "spark", "iceberg", "delta", "format",
-             "jobs"}
+             "partitions_start", "jobs"}
 _JOB_KEYS = {"out_of_orderness", "allowed_lateness", "trigger_interval", "max_files_per_trigger", "dedup_ttl", "format"}
 FORMATS = ("iceberg", "delta")
 _DELTA_ENGINES = ("delta-rs", "spark")
@@ -96,6 +97,7 @@ class Settings:
     format: str = "iceberg"
     delta_engine: str = "delta-rs"
     delta_storage_options: Mapping[str, str] = field(default_factory=dict)
+    partitions_start: str = "2026-11-01"
     jobs: Mapping[str, JobOverrides] = field(default_factory=dict)
     config_file: Path | None = None
 
@@ -149,6 +151,7 @@ class Settings:
             ),
             format=_format(env.get("LAKESTREAM_FORMAT") or data.get("format") or "iceberg", "format"),
             delta_engine=engine,
+            partitions_start=_day(data.get("partitions_start", "2026-11-01")),
             delta_storage_options={str(k): str(v) for k, v in _mapping(delta.get("storage_options"), "delta.storage_options").items()},
             jobs={name: _job_overrides(name, raw) for name, raw in _mapping(data.get("jobs"), "jobs").items()},
             config_file=Path(path) if path else None,
@@ -200,6 +203,15 @@ def _mapping(value: Any, name: str) -> Mapping[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"'{name}' must be a mapping of keys, got {value!r}")
     return value
+
+
+def _day(value: Any) -> str:
+    from datetime import date
+
+    try:
+        return date.fromisoformat(str(value)).isoformat()
+    except ValueError:
+        raise ConfigError(f"partitions_start must be a date like 2026-11-01, got {value!r}") from None
 
 
 def _format(value: Any, name: str) -> str:

@@ -55,6 +55,17 @@ def settings_for(home: Path) -> Settings:
     return _with_warehouse(Settings.load({"LAKESTREAM_HOME": str(home / "lake")}), _WAREHOUSE[0])
 
 
+def write_config(settings: Settings, jobs: dict | None = None) -> Settings:
+    """Write ``lakestream.yaml`` into the lake home (for code that loads settings itself, e.g. a
+    Dagster op) and return the settings it yields."""
+    import yaml
+
+    data = {"warehouse": str(_WAREHOUSE[0]), "spark": {"shuffle_partitions": 2}, "jobs": jobs or {}}
+    settings.home.mkdir(parents=True, exist_ok=True)
+    (settings.home / "lakestream.yaml").write_text(yaml.safe_dump(data))
+    return Settings.load({"LAKESTREAM_HOME": str(settings.home)})
+
+
 @pytest.fixture
 def lake(tmp_path, warehouse, spark) -> Settings:
     """Settings for a fresh lake home; the shared Iceberg warehouse is emptied of job tables."""

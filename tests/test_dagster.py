@@ -1,36 +1,266 @@
-"""Dagster definitions load, and materializing the stream in-process writes the Iceberg table."""
+"""Dagster definitions, in process: lineage, stream runs, partitioned bounded twins, dbt marts,
+sensors over real checkpoints (healthy, stalled, corrupt), the supervisor and the schedules.
+
+Real instance (``instance_for_test``), real Spark and Iceberg tables, real checkpoints.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import time
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 from pathlib import Path
 
 import dagster as dg
+import pytest
 
 from orchestration.definitions import build_definitions
+from orchestration.sensors import supervise
+from orchestration.streams import DesiredState
 from tests import oracle
+from tests.conftest import SMALL, write_config
+
+MAIN = dg.AssetKey(["lake", "payments", "purchase_metrics"])
+DAY = SMALL.start.strftime("%Y-%m-%d")
 
 
-def test_definitions_load_with_lineage_from_landing_to_the_table(lake):
-    defs = build_definitions(lake, home=str(lake.home))
+def defs_for(settings):
+    return build_definitions(settings, home=str(settings.home))
+
+
+def stream_config(mode="available_now", **extra):
+    return {"ops": {"purchase_metrics": {"config": {"mode": mode, "materialize_every": "0s", **extra}}}}
+
+
+def latest_check(instance, key: dg.AssetKey, name: str, partition: str | None = None):
+    storage = instance.event_log_storage
+    filt = None
+    if partition is not None:
+        from dagster._core.event_api import PartitionKeyFilter
+
+        filt = PartitionKeyFilter(key=partition)
+    records = storage.get_asset_check_execution_history(dg.AssetCheckKey(key, name), limit=1, partition_filter=filt)
+    return records[0] if records else None
+
+
+def evaluation_of(record):
+    return record.event.dagster_event.event_specific_data
+
+
+def test_definitions_load_with_lineage_from_landing_through_jobs_to_the_marts(lake):
+    defs = defs_for(lake)
     dg.Definitions.validate_loadable(defs)
     graph = defs.resolve_asset_graph()
-    table = dg.AssetKey(["lake", "payments", "purchase_metrics"])
-    assert dg.AssetKey(["landing", "payments"]) in graph.get(table).parent_keys
-    assert defs.resolve_job_def("purchase_metrics_stream") is not None
+    mart = dg.AssetKey(["lake", "marts", "user_daily_activity"])
+    assert dg.AssetKey(["landing", "payments"]) in graph.get(MAIN).parent_keys
+    assert MAIN in graph.get(mart).parent_keys
+    assert graph.get(MAIN).partitions_def is not None
+    for job in ("purchase_metrics_stream", "user_sessions_stream", "savepoint_before_deploy", "daily_backfill"):
+        assert defs.resolve_job_def(job) is not None
+    checks = {k.name for k in graph.asset_check_keys if k.asset_key == MAIN}
+    assert {"reconciliation", "checkpoint_health", "freshness", "stream_supervisor"} <= checks
+    assert any(k.asset_key == mart for k in graph.asset_check_keys), "dbt tests are asset checks"
 
 
-def test_materializing_the_stream_through_dagster_writes_the_table(spark, small_landing):
-    defs = build_definitions(small_landing, home=str(small_landing.home))
-    table = dg.AssetKey(["lake", "payments", "purchase_metrics"])
+def test_a_stream_run_records_a_materialization_per_batch_and_partition(spark, small_landing):
+    settings = write_config(small_landing, {"purchase_metrics": {"max_files_per_trigger": 6}})
+    defs = defs_for(settings)
     with dg.instance_for_test() as instance:
-        result = defs.resolve_job_def("purchase_metrics_stream").execute_in_process(
-            instance=instance,
-            run_config={"ops": {"purchase_metrics": {"config": {"mode": "available_now"}}}},
+        job = defs.resolve_job_def("purchase_metrics_stream")
+        result = job.execute_in_process(instance=instance, run_config=stream_config())
+        assert result.success
+        events = [e.event_specific_data.materialization for e in result.all_events
+                  if e.event_type_value == "ASSET_MATERIALIZATION"]
+        main = [m for m in events if m.asset_key == MAIN]
+    files = oracle.files_in_arrival_order(Path(settings.landing_dir("payments")))
+    truth = oracle.replay_stream([[line for p in files[i:i + 6] for line in oracle.read_lines(p)]
+                                  for i in range(0, len(files), 6)])
+    assert spark.table("lake.payments.purchase_metrics").count() == len(truth.closed) > 0
+    assert len(main) >= 2 and {m.partition for m in main} == {DAY}  # one per batch that wrote the day
+    meta = main[-1].metadata
+    assert max(m.metadata["watermark_ms"].value for m in events) == truth.watermark_ms  # the last batch's
+    assert {m.asset_key.path[-1] for m in events} >= {"purchase_metrics", "purchase_metrics_late", "payments"}
+    assert {"rows_in", "rows_written", "batch_seconds", "watermark_lag_s", "state_rows", "table_version",
+            "processed_rows_per_s"} <= set(meta)
+    assert sum(m.metadata["rows_written"].value for m in main) == len(truth.closed)
+
+
+def test_materializing_a_partition_runs_the_bounded_twin_and_reports_reconciliation(spark, small_landing):
+    from streaming.jobs import get_job
+    from streaming.runner import run_stream
+
+    settings = write_config(small_landing, {"purchase_metrics": {"max_files_per_trigger": 6}})
+    run_stream(spark, settings, get_job("purchase_metrics", settings), available_now=True, progress=None,
+               install_signal_handlers=False)
+    defs = defs_for(settings)
+    with dg.instance_for_test() as instance:
+        result = dg.materialize(
+            [a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and MAIN in a.keys],
+            instance=instance, partition_key=DAY, resources=defs.resources,
+            run_config={"ops": {"purchase_metrics_bounded": {"config": {"force": True}}}},
         )
         assert result.success
-        event = instance.get_latest_materialization_event(table)
-    landing = Path(small_landing.landing_dir("payments"))
-    truth = oracle.replay_stream([[l for p in oracle.files_in_arrival_order(landing) for l in oracle.read_lines(p)]])
-    rows = spark.table("lake.payments.purchase_metrics").count()
-    assert rows == len(truth.closed) > 0  # one micro-batch: exactly the windows closed by its watermark
-    assert event.asset_materialization.metadata["rows_written"].value == rows
+        record = latest_check(instance, MAIN, "reconciliation", DAY)
+        assert record is not None and evaluation_of(record).passed
+        assert evaluation_of(record).metadata["late"].value > 0  # the stream left late events aside
+    expected = oracle.bounded_windows(Path(settings.landing_dir("payments")))
+    assert spark.table("lake.payments.purchase_metrics").count() == len(expected)
+
+
+def test_dbt_builds_the_marts_on_the_session_and_they_match_pandas(spark, small_landing):
+    """dbt-spark (method: session) runs in this process, on this SparkSession."""
+    from dbt.cli.main import dbtRunner
+
+    from orchestration.dbt import DBT_DIR, write_profiles
+    from streaming.jobs import registry
+    from streaming.runner import run_stream
+    from streaming.tables import job_sinks
+
+    settings = small_landing.with_job("purchase_metrics", max_files_per_trigger=6)
+    for job in registry().values():
+        job_sinks(spark, settings, job)  # every source table exists (most stay empty here)
+    run_stream(spark, settings, registry()["purchase_metrics"], available_now=True, progress=None,
+               install_signal_handlers=False)
+    profiles = write_profiles(settings)
+    try:
+        result = dbtRunner().invoke(["build", "--project-dir", str(DBT_DIR), "--profiles-dir", str(profiles),
+                                     "--target-path", str(settings.home / "dbt-target")])
+    finally:
+        spark.conf.unset("spark.sql.defaultCatalog")
+    assert result.success, result.exception
+    windows = spark.table("lake.payments.purchase_metrics").toPandas()
+    windows["day"] = windows["window_start"].dt.date
+    expected = windows.groupby(["user_id", "day"]).agg(payments=("event_count", "sum"), amount=("amount_sum", "sum"))
+    mart = spark.table("lake.marts.user_daily_activity").toPandas().set_index(["user_id", "day"])
+    assert len(mart) == len(expected) > 0
+    for key, row in expected.iterrows():
+        assert mart.loc[key, "payments"] == row.payments and Decimal(mart.loc[key, "amount"]) == Decimal(row.amount)
+
+
+# -- sensors and schedules over real checkpoints ------------------------------------------
+
+@pytest.fixture
+def streamed(spark, small_landing):
+    from streaming.jobs import get_job
+    from streaming.runner import run_stream
+
+    settings = write_config(small_landing, {"purchase_metrics": {"max_files_per_trigger": 6}})
+    run_stream(spark, settings, get_job("purchase_metrics", settings), available_now=True, progress=None,
+               install_signal_handlers=False)
+    return settings
+
+
+def run_health_sensor(defs, instance, cursor=None):
+    sensor = defs.resolve_sensor_def("checkpoint_health")
+    context = dg.build_sensor_context(instance=instance, cursor=cursor, resources=defs.resources,
+                                      definitions=defs)
+    return sensor(context), context
+
+
+def test_checkpoint_health_sensor_reports_healthy_stalled_and_corrupt_checkpoints(streamed):
+    defs = defs_for(streamed)
+    checkpoint = Path(streamed.checkpoint_dir("purchase_metrics"))
+    with dg.instance_for_test() as instance:
+        run_health_sensor(defs, instance)
+        assert evaluation_of(latest_check(instance, MAIN, "checkpoint_health")).passed
+
+        # stalled: new input waits, and the last commit is an hour old
+        landing = Path(streamed.landing_dir("payments"))
+        (landing / "late-arrival.jsonl").write_text(oracle.read_lines(oracle.files_in_arrival_order(landing)[0])[0] + "\n")
+        hour_ago = time.time() - 3600
+        os.utime(landing / "late-arrival.jsonl", (hour_ago, hour_ago))
+        for commit in (checkpoint / "commits").iterdir():
+            os.utime(commit, (hour_ago, hour_ago))
+        run_health_sensor(defs, instance)
+        stalled = evaluation_of(latest_check(instance, MAIN, "checkpoint_health"))
+        assert not stalled.passed and stalled.severity == dg.AssetCheckSeverity.ERROR
+        assert stalled.metadata["stalled"].value is True
+
+        # corrupt: the newest offset-log entry is garbage
+        newest = max((p for p in (checkpoint / "offsets").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+        newest.write_text("v1\n{not json")
+        run_health_sensor(defs, instance)
+        corrupt = evaluation_of(latest_check(instance, MAIN, "checkpoint_health"))
+        assert corrupt.metadata["corrupt"].value is True and "offsets" in corrupt.description
+
+
+def test_supervisor_restarts_a_crashed_stream_with_backoff_but_not_a_terminated_one(streamed):
+    from streaming.jobs import get_job
+
+    defs = defs_for(streamed)
+    job = get_job("purchase_metrics")
+    with dg.instance_for_test() as instance:
+        assert supervise(instance, job) is None  # nobody asked for it to run
+        DesiredState(instance, job.name).set("running", trigger_interval="1s")
+        first = supervise(instance, job)
+        assert first is not None and first.run_config["ops"]["purchase_metrics"]["config"]["mode"] == "continuous"
+
+        failed = defs.resolve_job_def("purchase_metrics_stream").execute_in_process(
+            instance=instance, raise_on_error=False,
+            run_config=stream_config("continuous", from_savepoint="purchase_metrics-20990101T000000000Z-b1"))
+        assert not failed.success  # an unknown savepoint: the run fails, the stream should still run
+        now = time.time()
+        assert supervise(instance, job, now=now) is None  # within the 30 s backoff
+        retry = supervise(instance, job, now=now + 31)
+        assert retry.tags["lakestream/restart-attempt"] == "2" and retry.tags["lakestream/restart-of"] == failed.run_id
+        assert retry.tags["lakestream/restart-reason"] == "crashed"
+        check = evaluation_of(latest_check(instance, MAIN, "stream_supervisor"))
+        assert "restarted purchase_metrics_stream" in check.description
+
+        run = instance.get_run_by_id(failed.run_id)
+        instance.report_run_canceled(run)  # as if terminated from the UI
+        assert supervise(instance, job, now=now + 600) is None
+        assert DesiredState(instance, job.name).get()["state"] == "stopped"
+
+
+def test_savepoint_before_deploy_stops_the_stream_and_the_supervisor_resumes_from_the_savepoint(spark, small_landing):
+    import threading
+
+    from streaming.jobs import get_job
+    from streaming.runner import run_stream
+
+    settings = write_config(small_landing, {"purchase_metrics": {"max_files_per_trigger": 2, "trigger_interval": "1s"}})
+    job = get_job("purchase_metrics", settings)
+    stop, errors = threading.Event(), []
+
+    def stream():
+        try:
+            run_stream(spark, settings, job, available_now=False, progress=None, stop_event=stop,
+                       install_signal_handlers=False)
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    runner = threading.Thread(target=stream, daemon=True)
+    runner.start()
+    commits = Path(settings.checkpoint_dir(job.name)) / "commits"
+    deadline = time.monotonic() + 120
+    while not (commits.is_dir() and any(p.name.isdigit() for p in commits.iterdir())):
+        assert time.monotonic() < deadline and not errors, errors
+        time.sleep(0.5)
+    defs = defs_for(settings)
+    with dg.instance_for_test() as instance:
+        DesiredState(instance, job.name).set("running", trigger_interval="1s")
+        result = defs.resolve_job_def("savepoint_before_deploy").execute_in_process(instance=instance)
+        assert result.success
+        runner.join(timeout=60)
+        assert not runner.is_alive() and not errors, errors
+        tags = instance.get_run_by_id(result.run_id).tags
+        savepoint = tags["lakestream/savepoint/purchase_metrics"]
+        assert (Path(settings.savepoints) / "purchase_metrics" / savepoint / "manifest.json").exists()
+        request = supervise(instance, job)
+        assert request.run_config["ops"]["purchase_metrics"]["config"]["from_savepoint"] == savepoint
+        assert request.tags["lakestream/restart-reason"] == "savepoint"
+        assert "from_savepoint" not in DesiredState(instance, job.name).get()  # a later restart resumes normally
+
+
+def test_daily_backfill_schedule_asks_for_yesterdays_partition(lake):
+    defs = defs_for(lake)
+    schedule = defs.resolve_schedule_def("daily_backfill_schedule")
+    when = datetime(2026, 11, 21, 1, 30, tzinfo=timezone.utc)
+    with dg.instance_for_test() as instance:
+        context = dg.build_schedule_context(instance=instance, scheduled_execution_time=when)
+        requests = schedule.evaluate_tick(context).run_requests
+    assert [r.partition_key for r in requests] == ["2026-11-20"]
+    assert defs.resolve_job_def("daily_backfill").partitions_def is not None

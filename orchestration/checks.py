@@ -1,0 +1,154 @@
+"""Asset checks of every job's tables. Each can run on demand from the UI; the sensors and the
+bounded twin also report them on their own (as runless evaluations).
+
+* ``reconciliation`` (main table, per day partition): the stream's windows/rows against a bounded
+  recomputation; fails on any unexplained difference;
+* ``checkpoint_health`` (main table): stalled stream, growing backlog, state growth, corruption;
+* ``freshness`` (main table): the last committed batch is recent, or no input waits;
+* ``late_volume`` (late side output) and ``quarantine_volume`` (quarantine table): the share of
+  late events and of quarantined lines stays under a bound.
+"""
+
+
+import time
+from datetime import datetime, timedelta
+
+import dagster as dg
+from dagster_pyspark import LazyPySparkResource
+
+from streaming.checkpoint import Thresholds, inspect_checkpoint
+from streaming.declaration import Job, Source
+from streaming.jobs import get_job
+from streaming.settings import Settings
+
+from .assets import RECONCILIATION
+from .resources import LakestreamResource
+from .tables import table_key
+
+LATE_SHARE_MAX = 0.05  # late events / events
+QUARANTINE_SHARE_MAX = 0.02  # quarantined lines / lines
+STALE_AFTER = timedelta(hours=1)
+
+
+def health_evaluation(job: Job, settings: Settings, now_ms: int | None = None) -> dg.AssetCheckEvaluation:
+    """``checkpoint_health`` of a job, from its checkpoint (pure Python, no Spark)."""
+    limits = Thresholds(trigger_interval_s=settings.job(job.name).trigger_interval.total_seconds())
+    report = inspect_checkpoint(job.name, settings.checkpoint_dir(job.name),
+                                [settings.landing_dir(s.name) for s in job.sources], limits, now_ms=now_ms)
+    h = report.health
+    return dg.AssetCheckEvaluation(
+        asset_key=table_key(job.sink), check_name="checkpoint_health", passed=h.status == "healthy",
+        severity=dg.AssetCheckSeverity.ERROR if h.status == "error" else dg.AssetCheckSeverity.WARN,
+        description="; ".join(h.messages) or "healthy",
+        metadata={"status": h.status, "stalled": h.stalled, "backlog_growing": h.backlog_growing,
+                  "state_growth": h.state_growth, "corrupt": h.corrupt, "in_flight": h.in_flight,
+                  "last_committed_batch": report.last_committed_batch if report.last_committed_batch is not None else -1,
+                  "files_waiting": report.files_waiting, "state_bytes": report.state_bytes,
+                  "watermark_ms": report.watermark_ms or 0},
+    )
+
+
+def _totals(settings: Settings, job: Job):
+    """Cumulative statistics of the job's stream (pure Python read of its newest batch record)."""
+    import json
+    from pathlib import Path
+
+    folder = Path(settings.checkpoint_dir(job.name)) / "lakestream" / "batches"
+    records = sorted((int(p.stem), p) for p in folder.glob("*.json")) if folder.is_dir() else []
+    if not records:
+        return None
+    try:
+        return json.loads(records[-1][1].read_text())["totals"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def job_checks(job: Job, partitions_def) -> list[dg.AssetChecksDefinition]:
+    main = table_key(job.sink)
+
+    @dg.asset_check(asset=main, name=RECONCILIATION, partitions_def=partitions_def, blocking=False,
+                    description="The stream's output for the day against a bounded recomputation; every difference "
+                                "must be explained by late data or by windows still in flight.")
+    def reconciliation(context: dg.AssetCheckExecutionContext, lakestream: LakestreamResource,
+                       pyspark: LazyPySparkResource) -> dg.AssetCheckResult:
+        from batch.reconcile import NothingToReconcileError, reconcile
+
+        settings = lakestream.settings()
+        day = datetime.fromisoformat(context.partition_key)
+        try:
+            report = reconcile(lakestream.spark(pyspark), settings, get_job(job.name, settings), day,
+                               day + timedelta(days=1), progress=context.log.info)
+        except NothingToReconcileError as exc:
+            return dg.AssetCheckResult(passed=True, severity=dg.AssetCheckSeverity.WARN, description=str(exc))
+        counts = {k: sum(getattr(d, k) for d in report.days) for k in ("compared", "matching", "late", "in_flight",
+                                                                       "unexplained")}
+        return dg.AssetCheckResult(passed=report.unexplained == 0, metadata={**counts, "examples": "\n".join(report.examples) or "-"},
+                                   description=report.table())
+
+    @dg.asset_check(asset=main, name="checkpoint_health", description="Stalled stream, growing backlog, state growth "
+                    "or a corrupt checkpoint, read from the checkpoint (also reported every 30 s by a sensor).")
+    def checkpoint_health(lakestream: LakestreamResource) -> dg.AssetCheckResult:
+        e = health_evaluation(job, lakestream.settings())
+        return dg.AssetCheckResult(passed=e.passed, severity=e.severity, description=e.description, metadata=e.metadata)
+
+    @dg.asset_check(asset=main, name="freshness", description=f"The stream committed a batch within {STALE_AFTER}, or no "
+                    "input waits for it.")
+    def freshness(lakestream: LakestreamResource) -> dg.AssetCheckResult:
+        settings = lakestream.settings()
+        report = inspect_checkpoint(job.name, settings.checkpoint_dir(job.name),
+                                    [settings.landing_dir(s.name) for s in job.sources])
+        age_s = (time.time() * 1000 - report.last_commit_ms) / 1000 if report.last_commit_ms else None
+        stale = report.files_waiting > 0 and (age_s is None or age_s > STALE_AFTER.total_seconds())
+        return dg.AssetCheckResult(passed=not stale, severity=dg.AssetCheckSeverity.WARN,
+                                   metadata={"last_commit_age_s": age_s if age_s is not None else -1.0,
+                                             "files_waiting": report.files_waiting},
+                                   description="input waits and no recent batch" if stale else "fresh")
+
+    @dg.asset_check(asset=table_key(job.late_sink), name="late_volume",
+                    description=f"Late events stay under {LATE_SHARE_MAX:.0%} of the events.")
+    def late_volume(lakestream: LakestreamResource) -> dg.AssetCheckResult:
+        totals = _totals(lakestream.settings(), job)
+        if not totals or not totals["events"]:
+            return dg.AssetCheckResult(passed=True, description="no events streamed yet")
+        share = totals["late"] / totals["events"]
+        return dg.AssetCheckResult(passed=share <= LATE_SHARE_MAX, severity=dg.AssetCheckSeverity.WARN,
+                                   metadata={"late": totals["late"], "events": totals["events"], "share": share})
+
+    @dg.asset_check(asset=main, name="stream_supervisor", description="Whether the stream runs when it should; the "
+                    "stream_supervisor sensor reports each restart here.")
+    def stream_supervisor(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+        from .sensors import ACTIVE
+        from .streams import DesiredState
+
+        wanted = DesiredState(context.instance, job.name).get().get("state", "stopped")
+        active = context.instance.get_runs(dg.RunsFilter(job_name=f"{job.name}_stream", statuses=ACTIVE), limit=1)
+        ok = wanted != "running" or bool(active)
+        return dg.AssetCheckResult(passed=ok, severity=dg.AssetCheckSeverity.WARN,
+                                   metadata={"desired": wanted, "running": bool(active)},
+                                   description="as desired" if ok else "should be running but is not")
+
+    return [reconciliation, checkpoint_health, freshness, late_volume, stream_supervisor]
+
+
+def quarantine_check(source: Source, jobs: list[Job]) -> dg.AssetChecksDefinition:
+    readers = [j for j in jobs if source in j.sources]
+
+    @dg.asset_check(asset=table_key(source.quarantine), name="quarantine_volume",
+                    description=f"Quarantined lines stay under {QUARANTINE_SHARE_MAX:.0%} of the lines read.")
+    def quarantine_volume(lakestream: LakestreamResource) -> dg.AssetCheckResult:
+        settings = lakestream.settings()
+        worst = None
+        for job in readers:
+            totals = _totals(settings, job)
+            if totals and totals["lines"]:
+                share = totals["quarantined"] / totals["lines"]
+                if worst is None or share > worst[0]:
+                    worst = (share, job.name, totals)
+        if worst is None:
+            return dg.AssetCheckResult(passed=True, description="nothing streamed yet")
+        share, name, totals = worst
+        return dg.AssetCheckResult(passed=share <= QUARANTINE_SHARE_MAX, severity=dg.AssetCheckSeverity.WARN,
+                                   metadata={"share": share, "quarantined": totals["quarantined"],
+                                             "lines": totals["lines"], "job": name})
+
+    return quarantine_volume

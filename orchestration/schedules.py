@@ -1,0 +1,83 @@
+"""Schedules: a savepoint of every running stream before a deploy, and yesterday's backfills.
+
+* ``savepoint_before_deploy`` (a job, launchable on demand, and a schedule): for each stream that
+  should be running, marks it *paused* (so the supervisor leaves it alone), takes a
+  stop-with-savepoint, records the savepoint id in the run's tags and metadata, and marks it
+  *running from that savepoint*: the ``stream_supervisor`` relaunches it from there, so new code
+  starts from consistent state.
+* ``daily_backfill``: yesterday's day partition of every job's tables, recomputed by the bounded
+  twins (each reporting the stream-vs-bounded reconciliation before replacing), then the
+  partition's ``reconciliation`` checks.
+"""
+
+
+from datetime import timedelta
+
+import dagster as dg
+from dagster_pyspark import LazyPySparkResource
+
+from streaming.declaration import Job
+from streaming.jobs import get_job
+
+from .assets import RECONCILIATION
+from .resources import LakestreamResource
+from .streams import DesiredState
+from .tables import table_key
+
+
+def savepoint_job(jobs: list[Job]) -> dg.JobDefinition:
+    @dg.op(name="take_savepoints", description="Stop every running stream with a savepoint and mark it to resume from it.")
+    def take_savepoints(context: dg.OpExecutionContext, lakestream: LakestreamResource, pyspark: LazyPySparkResource):
+        from streaming.savepoints import Savepoints
+
+        settings = lakestream.settings()
+        spark = None
+        taken = {}
+        for job in jobs:
+            desired = DesiredState(context.instance, job.name)
+            wanted = desired.get()
+            if wanted.get("state") != "running":
+                continue
+            spark = spark or lakestream.spark(pyspark)
+            desired.set("paused", **{k: v for k, v in wanted.items() if k not in ("state", "updated_ms")},
+                        reason="savepoint-before-deploy")
+            try:
+                savepoint = Savepoints(spark, settings, progress=context.log.info).create(get_job(job.name, settings))
+            except BaseException:
+                desired.set("running", **{k: v for k, v in wanted.items() if k not in ("state", "updated_ms")})
+                raise
+            desired.set("running", **{k: v for k, v in wanted.items() if k not in ("state", "updated_ms")},
+                        from_savepoint=savepoint.id)
+            taken[job.name] = savepoint.id
+            context.log.info(f"{job.name}: savepoint {savepoint.id}; the supervisor resumes it from there")
+        if taken:
+            context.instance.add_run_tags(context.run_id, {f"lakestream/savepoint/{k}": v for k, v in taken.items()})
+        yield dg.Output(None, metadata={name: savepoint for name, savepoint in taken.items()} or {"streams": "none running"})
+
+    @dg.job(name="savepoint_before_deploy", description=take_savepoints.description)
+    def savepoint_before_deploy():
+        take_savepoints()
+
+    return savepoint_before_deploy
+
+
+def savepoint_schedule(job: dg.JobDefinition, cron: str = "0 4 * * *") -> dg.ScheduleDefinition:
+    return dg.ScheduleDefinition(name="savepoint_before_deploy_schedule", job=job, cron_schedule=cron,
+                                 execution_timezone="UTC", default_status=dg.DefaultScheduleStatus.STOPPED,
+                                 description="Savepoints of every running stream at a fixed time (deploys follow it).")
+
+
+def daily_backfill(jobs: list[Job], bounded: list[dg.AssetsDefinition], partitions_def):
+    selection = dg.AssetSelection.assets(*bounded).without_checks() | dg.AssetSelection.checks(
+        *[dg.AssetCheckKey(table_key(j.sink), RECONCILIATION) for j in jobs])
+    job = dg.define_asset_job("daily_backfill", selection=selection, partitions_def=partitions_def,
+                              description="Recompute a day of every job with its bounded twin, then reconcile it.")
+
+    @dg.schedule(name="daily_backfill_schedule", job=job, cron_schedule="30 1 * * *", execution_timezone="UTC",
+                 default_status=dg.DefaultScheduleStatus.STOPPED,
+                 description="At 01:30 UTC, backfill and reconcile yesterday's partition of every job.")
+    def daily_backfill_schedule(context: dg.ScheduleEvaluationContext):
+        day = (context.scheduled_execution_time - timedelta(days=1)).date().isoformat()
+        return dg.RunRequest(run_key=f"daily_backfill:{day}", partition_key=day)
+
+    return job, daily_backfill_schedule

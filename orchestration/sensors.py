@@ -1,0 +1,127 @@
+"""Sensors: checkpoint health every 30 s, and a supervisor that restarts crashed streams.
+
+* ``checkpoint_health`` inspects every job's checkpoint (pure Python) and reports the
+  ``checkpoint_health`` asset check of its table when the verdict changes (and at least every
+  10 minutes), as a runless evaluation: no run, no Spark.
+* ``stream_supervisor``: a stream that should be running (``DesiredState``) but has no active run
+  is started again from its checkpoint. A run that ended cleanly (rolled over, stopped for a
+  savepoint) is followed at once; after a failed run the restart waits ``2**(n-1) x 30 s`` for the
+  n-th consecutive failure and gives up after ``MAX_ATTEMPTS``. Every restart carries its reason
+  and attempt in the run's tags and is reported as the table's ``stream_supervisor`` check. A run
+  terminated from the UI is a request to stop: it is not restarted.
+"""
+
+
+import json
+import time
+from pathlib import Path
+
+import dagster as dg
+
+from streaming.declaration import Job
+
+from .checks import health_evaluation
+from .resources import LakestreamResource
+from .streams import DesiredState
+from .tables import table_key
+
+MAX_ATTEMPTS = 5
+BACKOFF_S = 30.0
+REPORT_EVERY_S = 600
+ACTIVE = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+          dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+
+
+def health_sensor(jobs: list[Job]) -> dg.SensorDefinition:
+    @dg.sensor(name="checkpoint_health", minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING,
+               description="Inspect every stream's checkpoint and report its checkpoint_health check on change.")
+    def checkpoint_health(context: dg.SensorEvaluationContext, lakestream: LakestreamResource):
+        settings = lakestream.settings()
+        cursor = json.loads(context.cursor or "{}")
+        now = time.time()
+        reported = []
+        for job in jobs:
+            if not (Path(settings.checkpoint_dir(job.name)) / "metadata").exists():
+                continue
+            evaluation = health_evaluation(job, settings)
+            status = evaluation.metadata["status"].value
+            last = cursor.get(job.name)
+            if last is None or last[0] != status or now - last[1] > REPORT_EVERY_S:
+                context.instance.report_runless_asset_event(evaluation)
+                cursor[job.name] = [status, now]
+                reported.append(f"{job.name}: {status}")
+        context.update_cursor(json.dumps(cursor))
+        return dg.SkipReason("reported " + ", ".join(reported) if reported else "no change")
+
+    return checkpoint_health
+
+
+def supervisor_sensor(jobs: list[Job], stream_jobs: list[dg.JobDefinition]) -> dg.SensorDefinition:
+    @dg.sensor(name="stream_supervisor", minimum_interval_seconds=30, jobs=stream_jobs,
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description="Restart streams that should be running and are not (exponential backoff).")
+    def stream_supervisor(context: dg.SensorEvaluationContext):
+        requests = []
+        for job in jobs:
+            request = supervise(context.instance, job)
+            if request is not None:
+                requests.append(request)
+        return requests or dg.SkipReason("every stream that should run is running")
+
+    return stream_supervisor
+
+
+def supervise(instance: dg.DagsterInstance, job: Job, now: float | None = None) -> dg.RunRequest | None:
+    """The run request that restarts ``job``'s stream, if it should be running and is not."""
+    now = time.time() if now is None else now
+    desired = DesiredState(instance, job.name)
+    wanted = desired.get()
+    if wanted.get("state") != "running":
+        return None
+    name = f"{job.name}_stream"
+    if instance.get_runs(dg.RunsFilter(job_name=name, statuses=ACTIVE), limit=1):
+        return None
+    records = instance.get_run_records(dg.RunsFilter(job_name=name), limit=20)
+    last = records[0] if records else None
+    if last is not None and last.dagster_run.status == dg.DagsterRunStatus.CANCELED:
+        desired.set("stopped", reason="terminated", run_id=last.dagster_run.run_id)  # a stop request, not a crash
+        return None
+    failures = 0
+    for record in records:
+        if record.dagster_run.status != dg.DagsterRunStatus.FAILURE:
+            break
+        failures += 1
+    if failures >= MAX_ATTEMPTS:
+        _report(instance, job, False, f"gave up after {failures} consecutive failed runs; fix the cause and launch "
+                f"{name} again", attempt=failures)
+        desired.set("stopped", reason="gave up", run_id=last.dagster_run.run_id)
+        return None
+    if failures:
+        wait = BACKOFF_S * 2 ** (failures - 1)
+        ended = last.end_time or last.update_timestamp.timestamp()
+        if now - ended < wait:
+            return None
+    reason = "savepoint" if wanted.get("from_savepoint") else "crashed" if failures else "ended"
+    config = {"mode": "continuous", "trigger_interval": wanted.get("trigger_interval", "5s"),
+              "from_savepoint": wanted.get("from_savepoint", ""),
+              "materialize_every": wanted.get("materialize_every", "10s"),
+              "rollover_after": wanted.get("rollover_after", "24h")}
+    previous = last.dagster_run.run_id if last else "none"
+    _report(instance, job, failures == 0, f"restarted {name} ({reason}; previous run {previous}, attempt {failures + 1})",
+            attempt=failures + 1)
+    if wanted.get("from_savepoint"):
+        desired.set("running", **{k: v for k, v in wanted.items() if k not in ("state", "from_savepoint", "updated_ms")})
+    return dg.RunRequest(
+        run_key=f"{job.name}:{previous}:{int(now)}", job_name=name,
+        run_config={"ops": {job.name: {"config": config}}},
+        tags={"lakestream/restart-of": previous, "lakestream/restart-attempt": str(failures + 1),
+              "lakestream/restart-reason": reason},
+    )
+
+
+def _report(instance: dg.DagsterInstance, job: Job, passed: bool, text: str, attempt: int) -> None:
+    instance.report_runless_asset_event(dg.AssetCheckEvaluation(
+        asset_key=table_key(job.sink), check_name="stream_supervisor", passed=passed,
+        severity=dg.AssetCheckSeverity.WARN if passed else dg.AssetCheckSeverity.ERROR,
+        description=text, metadata={"attempt": attempt},
+    ))

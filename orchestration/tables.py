@@ -1,0 +1,131 @@
+"""The lake's tables and landing folders as Dagster assets: keys, daily partitions, specs, columns.
+
+Column schemas come from the tables' own metadata on disk (Iceberg's metadata JSON, Delta's log),
+read in plain Python when the definitions load: no SparkSession in the code server.
+"""
+
+
+import json
+import os
+from datetime import date, datetime, timedelta, timezone
+from pathlib import Path
+
+import dagster as dg
+
+from streaming.checkpoint import inspect_checkpoint
+from streaming.declaration import Job, Source, Table
+from streaming.settings import Settings
+
+from .resources import LakestreamResource
+
+DAY = timedelta(days=1)
+
+
+def table_key(table: Table | str) -> dg.AssetKey:
+    return dg.AssetKey((table.name if isinstance(table, Table) else table).split("."))
+
+
+def landing_key(source: str) -> dg.AssetKey:
+    return dg.AssetKey(["landing", source])
+
+
+def partitions(settings: Settings) -> dg.DailyPartitionsDefinition:
+    """Days of event time (UTC), from ``partitions_start`` to today."""
+    return dg.DailyPartitionsDefinition(start_date=settings.partitions_start, end_offset=1)
+
+
+def day_keys(first_ms: int | None, last_ms: int | None, partitions_def: dg.DailyPartitionsDefinition | None) -> list[str]:
+    """The day partitions ``[first_ms, last_ms]`` spans that exist in ``partitions_def``."""
+    if first_ms is None or last_ms is None:
+        return []
+    first = datetime.fromtimestamp(first_ms / 1000, tz=timezone.utc).date()
+    last = datetime.fromtimestamp(last_ms / 1000, tz=timezone.utc).date()
+    start = date.fromisoformat(partitions_def.start.strftime("%Y-%m-%d")) if partitions_def else first
+    today = datetime.now(timezone.utc).date()
+    days, day = [], max(first, start)
+    while day <= min(last, today):
+        days.append(day.isoformat())
+        day += DAY
+    return days
+
+
+def columns(settings: Settings, table: Table, fmt: str) -> dg.TableSchema | None:
+    """The table's columns from its metadata files (local Iceberg hadoop catalog or Delta), or None."""
+    try:
+        if fmt == "delta":
+            folder = Path(settings.delta_root) / table.domain / table.name.split(".")[2] / "_delta_log"
+            for log in sorted(folder.glob("*.json"), reverse=True):
+                for line in log.read_text().splitlines():
+                    meta = json.loads(line).get("metaData")
+                    if meta:
+                        fields = json.loads(meta["schemaString"])["fields"]
+                        return dg.TableSchema(columns=[dg.TableColumn(f["name"], _type(f["type"])) for f in fields])
+            return None
+        folder = Path(settings.iceberg.warehouse or settings.warehouse) / table.domain / table.name.split(".")[2] / "metadata"
+        hint = folder / "version-hint.text"
+        if not hint.exists():
+            return None
+        meta = json.loads((folder / f"v{hint.read_text().strip()}.metadata.json").read_text())
+        current = next(s for s in meta["schemas"] if s["schema-id"] == meta["current-schema-id"])
+        return dg.TableSchema(columns=[dg.TableColumn(f["name"], _type(f["type"])) for f in current["fields"]])
+    except (OSError, ValueError, KeyError, StopIteration):
+        return None
+
+
+def _type(value) -> str:
+    return value if isinstance(value, str) else value.get("type", "struct")
+
+
+def table_spec(settings: Settings, job: Job, table: Table, role: str, partitions_def) -> dg.AssetSpec:
+    fmt = settings.format_of(job.name)
+    schema = columns(settings, table, fmt)
+    what = {"main": job.description or job.name,
+            "late": f"Late side output of {job.name}: events that arrived after the watermark had passed their window; "
+                    "each row says which window it missed and by how much."}[role]
+    metadata = {"table": table.name, "format": fmt, "keys": ", ".join(job.keys), "job": job.name}
+    if schema is not None:
+        metadata["dagster/column_schema"] = schema
+    return dg.AssetSpec(
+        table_key(table), deps=[landing_key(s.name) for s in job.sources], description=what,
+        group_name=table.domain, owners=[f"team:{job.owner}"], kinds={fmt, "spark"}, metadata=metadata,
+        partitions_def=partitions_def, tags={"lakestream/role": role},
+    )
+
+
+def quarantine_spec(settings: Settings, source: Source) -> dg.AssetSpec:
+    return dg.AssetSpec(
+        table_key(source.quarantine), deps=[landing_key(source.name)], group_name="quarantine",
+        description=f"Lines of the {source.name} landing zone that are not valid records, with the reason, the raw "
+                    "line and the file; written by every job that reads the source (detected_by).",
+        kinds={settings.format, "spark"}, owners=["team:data-platform"],
+        metadata={"table": source.quarantine.name}, tags={"lakestream/role": "quarantine"},
+    )
+
+
+def landing_assets(sources: list[Source], jobs: list[Job]) -> dg.AssetsDefinition:
+    """The landing folders as observable source assets: files and bytes present and still pending."""
+    specs = [dg.AssetSpec(landing_key(s.name), group_name="landing", kinds={"json"},
+                          description=f"JSON-lines files of {s.name} events, filled in arrival order "
+                                      f"($LAKESTREAM_HOME/landing/{s.name}).") for s in sources]
+
+    @dg.multi_observable_source_asset(specs=specs, name="landing_zone",
+                                      description="Count the landing zone's files and what the streams have not read.")
+    def observe(lakestream: LakestreamResource):
+        settings = lakestream.settings()
+        for source in sources:
+            folder = Path(settings.landing_dir(source.name))
+            files = [e for e in (os.scandir(folder) if folder.is_dir() else []) if e.is_file() and not e.name.startswith((".", "_"))]
+            readers = [j for j in jobs if source in j.sources]
+            pending = [inspect_checkpoint(j.name, settings.checkpoint_dir(j.name), str(folder)) for j in readers]
+            waiting = max(pending, key=lambda r: r.files_waiting, default=None)
+            newest = max((e.stat().st_mtime_ns for e in files), default=0)
+            yield dg.ObserveResult(
+                asset_key=landing_key(source.name),
+                metadata={"files": len(files), "bytes": sum(e.stat().st_size for e in files),
+                          "pending_files": waiting.files_waiting if waiting else len(files),
+                          "pending_bytes": waiting.bytes_waiting if waiting else 0,
+                          "slowest_reader": waiting.job if waiting else "none"},
+                data_version=dg.DataVersion(f"{len(files)}-{newest}"),
+            )
+
+    return observe
