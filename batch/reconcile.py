@@ -8,7 +8,8 @@ Every difference is classified:
   window, or for sessions a late event within a gap of it; keyed jobs: a late event of the key at
   or before the row's time) — the stream was right to leave them out;
 * **in flight**: the window is not final in the stream yet (``end + lateness > watermark``; keyed:
-  the row's time is past the watermark);
+  the row's time is past the watermark), or landing files the stream has not read yet hold events
+  of it;
 * **unexplained**: anything else — a bug, or a table changed behind the stream's back.
 
 Per day the counts go to ``lake.ops.reconciliation`` (job, day, compared, matching, late, in
@@ -130,6 +131,7 @@ def compare(spark, settings: Settings, job: Job, bounded, watermark: int, start:
     streamed = sinks.main.read().where((t >= lo) & (t < hi))
     late = sinks.late.read()
     units = (_keyed_units if isinstance(job, KeyedJob) else _window_units)(job, bounded.main, streamed, late, watermark)
+    units = _mark_unread_input(spark, settings, job, units)
     units = units.cache()
     counts = units.groupBy("day").agg(
         F.count(F.lit(1)).alias("compared"),
@@ -158,6 +160,56 @@ def record_results(spark, settings: Settings, report: ReconcileReport) -> None:
         sink.append(frame, Commit(f"reconcile:{report.job}", int(now.timestamp() * 1000)), may_exist=False)
 
 
+def unread_files(settings: Settings, job: Job) -> list[str]:
+    """Landing files the stream has not read yet (from its checkpoint's source log)."""
+    from streaming.checkpoint import _landing_files, _local, inspect_checkpoint
+
+    folders = [settings.landing_dir(s.name) for s in job.sources]
+    report = inspect_checkpoint(job.name, settings.checkpoint_dir(job.name), folders)
+    if not report.files_waiting and not report.files_in_flight:
+        return []
+    consumed = set(report.consumed_files)
+    files = []
+    for folder in folders:
+        try:
+            files += [p for p in _landing_files(_local(folder)) if p not in consumed]
+        except ValueError:  # not a local folder: the source log cannot be compared without Spark
+            return []
+    return sorted(files)
+
+
+def _mark_unread_input(spark, settings: Settings, job: Job, units: DataFrame) -> DataFrame:
+    """Differences in windows (keyed: rows of keys) with events in files the stream has not read are in flight."""
+    files = unread_files(settings, job)
+    if not files:
+        return units
+    from streaming.engine import SOURCE, parse_sources, plan_batch
+
+    raw = None
+    for source in job.sources:
+        mine = [f for f in files if f.startswith(settings.landing_dir(source.name).rstrip("/") + "/")]
+        if mine:
+            frame = spark.read.format("text").load(mine).select(
+                "value", F.col("_metadata.file_path").alias("source_file"), F.lit(source.name).alias(SOURCE))
+            raw = frame if raw is None else raw.unionByName(frame)
+    if raw is None:
+        return units
+    if isinstance(job, KeyedJob):
+        from streaming.keyed.spark import _transformed
+
+        events = _transformed(job, parse_sources(job, raw), watermark=False)
+        keys = [k for k in job.keys if k in units.columns]
+        first = events.groupBy(*keys).agg(F.min(job.source.event_time).alias("_first_unread"))
+        marked = units.join(first, keys, "left").withColumn(
+            "_unread", F.col("_first_unread").isNotNull() & (F.col("_first_unread") <= F.col("_time")))
+    else:
+        plan = plan_batch(job, raw, bounded=True)
+        touched = plan.windowed().select(*job.keys, F.timestamp_millis("window_start_ms").alias("window_start"))
+        marked = units.join(touched.distinct().withColumn("_unread", F.lit(True)), [*job.keys, "window_start"], "left")
+    return marked.withColumn("status", F.when((F.col("status") == "unexplained") & F.coalesce(F.col("_unread"), F.lit(False)),
+                                              F.lit("in_flight")).otherwise(F.col("status")))
+
+
 def _same(columns: list[str]) -> F.Column:
     return reduce(lambda a, b: a & b, [F.col(f"b_{c}").eqNullSafe(F.col(f"s_{c}")) for c in columns], F.lit(True))
 
@@ -184,6 +236,7 @@ def _window_units(job, bounded: DataFrame, streamed: DataFrame, late: DataFrame,
     lateness = job.watermark.allowed_lateness_ms
     in_flight = F.unix_millis(end) + F.lit(lateness) > F.lit(watermark)
     return units.select(
+        *keys,
         F.to_date("window_start").alias("day"),
         F.when(matched, "match").when(F.col("_late").isNotNull(), "late").when(in_flight, "in_flight")
         .otherwise("unexplained").alias("status"),
@@ -214,6 +267,8 @@ def _keyed_units(job: KeyedJob, bounded: DataFrame, streamed: DataFrame, late: D
         units = units.withColumn("_late", F.lit(None).cast("boolean"))
     in_flight = F.unix_millis(F.col(job.time_column)) > F.lit(watermark)
     return units.select(
+        *keys,
+        F.col(job.time_column).alias("_time"),
         F.to_date(job.time_column).alias("day"),
         F.when(matched, "match").when(F.col("_late").isNotNull(), "late").when(in_flight, "in_flight")
         .otherwise("unexplained").alias("status"),

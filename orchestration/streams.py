@@ -157,8 +157,8 @@ def stream_job(job: Job, partitions_def) -> dg.JobDefinition:
         try:
             report = run_stream(spark, settings, declared, available_now=not continuous, progress=reporter.on_batch,
                                 stop_event=stop, install_signal_handlers=False, tick=reporter.tick)
-        except BaseException as exc:
-            if _interrupted(exc):  # terminated from the UI: the query stopped after its current batch
+        except BaseException:
+            if _terminating(context):  # terminated from the UI: the query stopped after its current batch
                 desired.set("stopped", reason="terminated", run_id=context.run_id)
                 reporter.flush()
             raise
@@ -179,6 +179,9 @@ def stream_job(job: Job, partitions_def) -> dg.JobDefinition:
     return stream
 
 
-def _interrupted(exc: BaseException) -> bool:
-    return isinstance(exc, KeyboardInterrupt) or type(exc).__name__ in ("DagsterExecutionInterruptedError",)
+def _terminating(context: dg.OpExecutionContext) -> bool:
+    """Whether this run is being terminated on request. The interrupt reaches the op as whatever the
+    call it cut short raises (a KeyboardInterrupt, or a Py4JError from Spark), so ask the instance."""
+    run = context.instance.get_run_by_id(context.run_id)
+    return run is not None and run.status in (dg.DagsterRunStatus.CANCELING, dg.DagsterRunStatus.CANCELED)
 

@@ -72,6 +72,7 @@ class CheckpointReport:
     last_commit_ms: int | None = None
     in_flight_batch: int | None = None
     files_consumed: int = 0
+    consumed_files: list[str] = field(default_factory=list, repr=False)  # real paths, for reconciliation
     files_in_flight: int = 0
     files_waiting: int = 0
     bytes_waiting: int = 0
@@ -85,7 +86,9 @@ class CheckpointReport:
     health: Health = field(default_factory=Health)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        data.pop("consumed_files")
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -187,6 +190,7 @@ def inspect_checkpoint(
             problems.append(str(exc))
             waiting = {}
         report.files_consumed = len(consumed)
+        report.consumed_files = sorted(consumed)
         report.files_in_flight = len([p for p in waiting if p in in_flight])
         waiting = {p: v for p, v in waiting.items() if p not in in_flight}
         report.files_waiting = len(waiting)

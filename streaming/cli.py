@@ -309,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("lakestream: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `lakestream checkpoint inspect JOB | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as exc:  # translate JVM errors at the boundary; keep real bugs visible
         if os.environ.get("LAKESTREAM_DEBUG"):
             raise

@@ -260,7 +260,8 @@ def test_daily_backfill_schedule_asks_for_yesterdays_partition(lake):
     schedule = defs.resolve_schedule_def("daily_backfill_schedule")
     when = datetime(2026, 11, 21, 1, 30, tzinfo=timezone.utc)
     with dg.instance_for_test() as instance:
-        context = dg.build_schedule_context(instance=instance, scheduled_execution_time=when)
+        context = dg.build_schedule_context(instance=instance, scheduled_execution_time=when,
+                                            repository_def=defs.get_repository_def())
         requests = schedule.evaluate_tick(context).run_requests
     assert [r.partition_key for r in requests] == ["2026-11-20"]
     assert defs.resolve_job_def("daily_backfill").partitions_def is not None
