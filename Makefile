@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export LAKESTREAM_HOME ?= $(CURDIR)/.lake
 export DAGSTER_HOME    ?= $(LAKESTREAM_HOME)/dagster
 
-.PHONY: install demo test test-fast ui bench clean
+.PHONY: install demo test test-fast ui bench bench-backfill clean
 
 install: $(STAMP)
 
@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ".[test]"
+	@# the dbt manifest, so the first `make ui` does not wait for `dbt parse`
+	$(BIN)/python -c "from orchestration.dbt import dbt_project, ensure_manifest, write_profiles; from streaming.settings import Settings; ensure_manifest(dbt_project(write_profiles(Settings.load())))"
 	@touch $@
 
 demo: install
@@ -34,5 +36,8 @@ ui: install
 bench: install
 	$(BIN)/python bench/purchase_metrics_bench.py
 
+bench-backfill: install
+	$(BIN)/python bench/backfill_bench.py
+
 clean:
-	rm -rf .lake bench/out .pytest_cache
+	rm -rf .lake bench/out .pytest_cache dbt/target
