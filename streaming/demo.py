@@ -1,4 +1,5 @@
-"""`make demo`: an hour of events -> stream (available-now) -> bounded twin -> summary."""
+"""`make demo`: an hour of events -> purchase_metrics as a stream (available-now) -> its bounded twin
+over the same hour, compared with what the stream wrote -> a summary."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from .durations import iso_ms
 from .generator import GeneratorConfig, generate
 from .jobs import get_job
 from .runner import describe_watermark, run_stream
-from .settings import Settings
 from .session import get_spark
+from .settings import Settings
 from .state import EngineState
 from .tables import job_sinks
 
@@ -19,7 +20,7 @@ DEMO_FILES_PER_TRIGGER = 10
 
 
 def run_demo(settings: Settings, cfg: GeneratorConfig) -> int:
-    from batch.backfill import backfill
+    from batch.reconcile import reconcile
 
     started = time.monotonic()
     print(f"== 1/4 generating {cfg.duration} of events from {iso_ms(cfg.start)} into {settings.landing}", flush=True)
@@ -28,10 +29,9 @@ def run_demo(settings: Settings, cfg: GeneratorConfig) -> int:
     print(f"   payments: {pay.events:,} events, {pay.late:,} very late, {pay.duplicates:,} re-delivered, "
           f"{pay.malformed:,} malformed, {len(pay.file_names)} files ({pay.files_skipped} already there)", flush=True)
 
-    print("== 2/4 starting Spark (local, Iceberg catalog 'lake')", flush=True)
+    print(f"== 2/4 starting Spark ({settings.spark_master}, {settings.format_of('purchase_metrics')} tables)", flush=True)
     job = get_job("purchase_metrics", settings)
     spark = get_spark(settings)
-
     if settings.job(job.name).max_files_per_trigger is None:
         # Several micro-batches, as a live stream would see them: the watermark advances between
         # them, so very late events are caught and sent to the side output.
@@ -42,27 +42,32 @@ def run_demo(settings: Settings, cfg: GeneratorConfig) -> int:
     record = EngineState(spark, settings.checkpoint_dir(job.name)).latest_record()
     totals = record.totals if record else stream.stats
 
-    print(f"== 4/4 bounded twin over the same hour [{iso_ms(cfg.start)}, {iso_ms(cfg.start + cfg.duration)})", flush=True)
-    # The demo's bounded twin overwrites what the stream wrote for the same hour (--force): windows
-    # the stream has not closed yet are computed from all events and written too.
-    bounded = backfill(spark, settings, job, cfg.start, cfg.start + cfg.duration, force=True)
+    end = cfg.start + cfg.duration
+    print(f"== 4/4 bounded twin over the same hour [{iso_ms(cfg.start)}, {iso_ms(end)}), compared with the stream",
+          flush=True)
+    check = reconcile(spark, settings, job, cfg.start, end, progress=None)
     sinks = job_sinks(spark, settings, job)
     quarantine = sinks.quarantine["payments"]
     quarantined = quarantine.read().agg(F.coalesce(F.sum("occurrences"), F.lit(0))).first()[0]
+    day = check.days[0] if check.days else None
 
     print()
     print("lakestream demo summary")
-    print(f"  stream   : {totals.lines:,} lines read, {totals.events:,} events, {totals.duplicates:,} duplicates removed, "
+    print(f"  stream    : {totals.lines:,} lines read, {totals.events:,} events, {totals.duplicates:,} duplicates removed, "
           f"{totals.late:,} late events -> {job.late_sink.name}")
-    print(f"             {totals.rows_written:,} closed windows written; watermark {describe_watermark(totals.watermark_out_ms)}"
+    print(f"              {totals.rows_written:,} closed windows written; watermark {describe_watermark(totals.watermark_out_ms)}"
           f" ({stream.batches} new batch(es) this run)")
-    print(f"  bounded  : {bounded.stats.events:,} events, {bounded.stats.rows_written:,} windows "
-          f"(every window, nothing late) in {bounded.seconds:.1f}s")
-    print(f"  quarantine: {quarantined:,} records in {quarantine.table.name}; the stream sent {totals.late:,} late events aside")
-    print(f"  tables   : {job.sink.name}, {job.late_sink.name}, {quarantine.table.name}")
+    if day is not None:
+        print(f"  bounded   : {day.compared:,} windows recomputed from every event; {day.matching:,} equal the stream's, "
+              f"{day.late:,} differ by late events (in the side output), {day.in_flight:,} still open in the stream, "
+              f"{day.unexplained:,} unexplained")
+    print(f"  quarantine: {quarantined:,} lines in {quarantine.table.name}, each with its reason and file")
+    print(f"  tables    : {job.sink.name}, {job.late_sink.name}, {quarantine.table.name}, lake.ops.reconciliation")
     where = settings.warehouse if settings.format_of(job.name) == "iceberg" else settings.delta_root
-    print(f"             {settings.format_of(job.name).capitalize()} tables under {where}")
-    print(f"  checkpoint: {settings.checkpoint_dir(job.name)}")
+    print(f"              {settings.format_of(job.name).capitalize()} tables under {where}")
+    print(f"  checkpoint: {settings.checkpoint_dir(job.name)}  (lakestream checkpoint inspect {job.name})")
+    print("  next      : lakestream backfill purchase_metrics --start 2026-11-20 --end 2026-11-21 --force  "
+          "(replace the hour with the bounded result)")
     print("  Dagster UI: make ui  (then open http://127.0.0.1:3000)")
     print(f"  done in {time.monotonic() - started:.0f}s; re-running is safe")
-    return 0
+    return 1 if check.unexplained else 0
