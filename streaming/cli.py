@@ -29,6 +29,21 @@ def _settings(args) -> Settings:
     return Settings.load(env, config_file=args.config)
 
 
+def cmd_init(args) -> int:
+    from .jobs import registry
+    from .session import get_spark
+    from .tables import job_sinks
+
+    settings = _settings(args)
+    spark = get_spark(settings)
+    for job in registry().values():
+        sinks = job_sinks(spark, settings, job)
+        print(f"{job.name:22} " + ", ".join(f"{s.table.name}" for s in sinks.all()))
+    where = settings.warehouse if settings.format == "iceberg" else settings.delta_root
+    print(f"every job's tables exist ({settings.format} under {where})")
+    return 0
+
+
 def cmd_jobs(args) -> int:
     from .jobs import registry
 
@@ -237,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     sub.add_parser("jobs", help="list the declared jobs").set_defaults(fn=cmd_jobs)
+    sub.add_parser("init", help="create every job's tables (idempotent), e.g. before building the dbt marts"
+                   ).set_defaults(fn=cmd_init)
 
     gen = sub.add_parser("generate", help="write synthetic payment and login events to the landing zone")
     _add_generator_options(gen)

@@ -32,6 +32,10 @@ def run_demo(settings: Settings, cfg: GeneratorConfig) -> int:
     print(f"== 2/4 starting Spark ({settings.spark_master}, {settings.format_of('purchase_metrics')} tables)", flush=True)
     job = get_job("purchase_metrics", settings)
     spark = get_spark(settings)
+    from .jobs import registry
+
+    for other in registry().values():  # every table exists, so the dbt marts build on any lake
+        job_sinks(spark, settings, other)
     if settings.job(job.name).max_files_per_trigger is None:
         # Several micro-batches, as a live stream would see them: the watermark advances between
         # them, so very late events are caught and sent to the side output.

@@ -82,3 +82,44 @@ def test_the_job_declaration_is_frozen_hashable_and_fingerprinted():
     assert replace(job, keys=("card_id",)).fingerprint() != job.fingerprint()
     assert replace(job, window=Tumbling(timedelta(minutes=10))).fingerprint() != job.fingerprint()
     assert replace(job, watermark=Watermark(timedelta(seconds=9))).fingerprint() == job.fingerprint()
+
+
+def test_window_declarations_validate_and_suggest_the_fix():
+    from streaming.windows import Session, Sliding
+
+    with pytest.raises(DeclarationError, match=r"`every` must not exceed `size`.*did you mean Tumbling\(size=5m\)"):
+        Sliding(size=timedelta(minutes=5), every=timedelta(minutes=10))
+    with pytest.raises(DeclarationError, match="Session.gap must be positive"):
+        Session(gap=timedelta(0))
+    assert Sliding(timedelta(minutes=10), timedelta(minutes=1)).windows_per_event == 10
+
+
+def test_a_changed_keyed_state_declaration_is_named_by_the_compatibility_guard():
+    from dataclasses import replace
+
+    from streaming.compat import differences
+    from streaming.keyed import KeyedProcessFunction, TtlConfig, ValueStateDescriptor
+
+    job = registry()["large_amount_alerts"]
+
+    class WiderState(KeyedProcessFunction):
+        def open(self, ctx):
+            self.previous = ctx.get_state(ValueStateDescriptor("previous", "double", ttl=TtlConfig(timedelta(hours=48))))
+
+    WiderState.__module__, WiderState.__qualname__ = job.function.__module__, job.function.__qualname__
+    changed = replace(job, function=WiderState)
+    found = differences(job.shape(), 2, changed, 2)
+    assert len(found) == 1 and found[0].startswith("state schema changed from ['value previous: struct<")
+    assert "'value previous: double, ttl=2d/OnCreateAndWrite'" in found[0]
+    assert differences(job.shape(), 2, replace(job, keys=("user_id",)), 2) == [
+        "key columns changed from ['card_id'] to ['user_id']"]
+
+
+def test_keyed_jobs_refuse_allowed_lateness_and_unknown_time_columns():
+    from dataclasses import replace
+
+    job = registry()["suspicious_logins"]
+    with pytest.raises(DeclarationError, match="allowed_lateness applies to windows"):
+        replace(job, watermark=Watermark(timedelta(seconds=5), allowed_lateness=timedelta(minutes=1)))
+    with pytest.raises(DeclarationError, match="time_column 'when' is not an output column"):
+        replace(job, time_column="when")
