@@ -155,16 +155,25 @@ def stream_job(job: Job, partitions_def) -> dg.JobDefinition:
         if continuous:
             rolled.start()
         try:
+            # Dagster terminates a run with SIGINT (SIGTERM on a cluster). Taken as a stop request, it
+            # never lands inside a Py4J call or an event-log write: the query stops after its batch.
             report = run_stream(spark, settings, declared, available_now=not continuous, progress=reporter.on_batch,
-                                stop_event=stop, install_signal_handlers=False, tick=reporter.tick)
+                                stop_event=stop, install_signal_handlers=True, tick=reporter.tick)
         except BaseException:
-            if _terminating(context):  # terminated from the UI: the query stopped after its current batch
+            if _terminating(context):  # interrupted before the stop request could be taken
                 desired.set("stopped", reason="terminated", run_id=context.run_id)
                 reporter.flush()
             raise
         finally:
             rolled.cancel()
         reporter.flush()
+        if report.signal is not None:  # terminated from the UI (or the process was asked to stop)
+            last = report.last.batch_id if report.last is not None else None
+            if _terminating(context):
+                desired.set("stopped", reason="terminated", run_id=context.run_id)
+            context.log.info(f"{job.name}: {report.signal} received; stopped after batch {last}")
+            raise dg.DagsterExecutionInterruptedError(f"{job.name} was interrupted ({report.signal}); "
+                                                      f"its checkpoint is at batch {last}")
         if continuous and stop.is_set():
             context.log.info(f"{job.name}: rolled over after {config.rollover_after}; the supervisor starts the next run")
         s = report.stats
@@ -180,8 +189,8 @@ def stream_job(job: Job, partitions_def) -> dg.JobDefinition:
 
 
 def _terminating(context: dg.OpExecutionContext) -> bool:
-    """Whether this run is being terminated on request. The interrupt reaches the op as whatever the
-    call it cut short raises (a KeyboardInterrupt, or a Py4JError from Spark), so ask the instance."""
+    """Whether this run is being terminated on request (rather than, say, its pod being evicted, after
+    which the supervisor restarts it): Dagster marks the run CANCELING before it interrupts it."""
     run = context.instance.get_run_by_id(context.run_id)
     return run is not None and run.status in (dg.DagsterRunStatus.CANCELING, dg.DagsterRunStatus.CANCELED)
 

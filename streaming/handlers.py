@@ -63,6 +63,7 @@ class StreamReport:
     last: BatchResult | None = None
     step_seconds: dict[str, float] = field(default_factory=dict)  # where the batches' time went
     batch_done: threading.Event = field(default_factory=threading.Event)  # set when a batch is committed
+    signal: str | None = None  # the signal (SIGINT/SIGTERM) that stopped the stream, if one did
 
     def timed(self, step: str, started: float) -> float:
         now = time.perf_counter()

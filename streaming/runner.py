@@ -8,6 +8,7 @@ committed exactly once per batch (see ``handlers``).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -187,6 +188,11 @@ def stop_gracefully(query, report: StreamReport | None = None, timeout_s: float 
     query.stop()
 
 
+def _stop_on_signal(report: StreamReport, stop: threading.Event, signum: int, _frame) -> None:
+    report.signal = signal.Signals(signum).name
+    stop.set()
+
+
 def run_stream(
     spark,
     settings: Settings,
@@ -212,7 +218,7 @@ def run_stream(
     previous = {}
     if install_signal_handlers and threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+            previous[sig] = signal.signal(sig, functools.partial(_stop_on_signal, report, stop))
     try:
         if not available_now and progress is not None:
             folders = ", ".join(settings.landing_dir(s.name) for s in job.sources)

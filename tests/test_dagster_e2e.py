@@ -122,7 +122,14 @@ class Servers:
             if status in done:
                 return status
             time.sleep(1)
-        raise AssertionError(f"run {run_id} still {status} after {timeout}s")
+        raise AssertionError(f"run {run_id} still {status} after {timeout}s; its last events:\n{self.run_log(run_id)}")
+
+    def run_log(self, run_id: str, last: int = 30) -> str:
+        events = self.gql("query($id: ID!) { logsForRun(runId: $id) { ... on EventConnection { events { "
+                          "__typename ... on MessageEvent { message timestamp } } } } }", {"id": run_id})
+        lines = [f"{e.get('timestamp')} {e['__typename']}: {e.get('message', '')[:300]}"
+                 for e in events["logsForRun"]["events"]]
+        return "\n".join(lines[-last:])
 
     def materializations(self, key: list[str]) -> list[dict]:
         data = self.gql("query($k: AssetKeyInput!) { assetOrError(assetKey: $k) { ... on Asset { "
@@ -169,7 +176,11 @@ def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partitio
     terminated = servers.gql("mutation($id: String!) { terminateRun(runId: $id, terminatePolicy: SAFE_TERMINATE) "
                              "{ __typename } }", {"id": run_id})["terminateRun"]
     assert terminated["__typename"] == "TerminateRunSuccess"
+    asked = time.monotonic()
     assert servers.wait_run(run_id, timeout=180) == "CANCELED"
+    log = servers.run_log(run_id, last=400)
+    print(f"terminated in {time.monotonic() - asked:.1f}s\n{log[-3000:]}")
+    assert "SIGINT received; stopped after batch" in log, log  # taken as a stop request, not an exception
     report = inspect_checkpoint("purchase_metrics", str(servers.lake / "checkpoints" / "purchase_metrics"))
     assert report.last_committed_batch is not None and report.in_flight_batch is None, "stopped after its batch"
     from dagster import DagsterInstance
