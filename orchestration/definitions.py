@@ -14,7 +14,7 @@ from .dbt import dbt_definitions
 from .resources import LakestreamResource, pyspark_resource
 from .schedules import daily_backfill, savepoint_job, savepoint_schedule
 from .sensors import health_sensor, supervisor_sensor
-from .streams import stream_job
+from .streams import stream_job, streams_job
 from .tables import landing_assets, partitions, quarantine_spec
 
 
@@ -25,7 +25,7 @@ def build_definitions(settings: Settings | None = None, home: str | None = None)
     sources = list({s.name: s for j in jobs for s in j.sources}.values())
     days = partitions(settings)
     bounded = [bounded_assets(settings, j, days) for j in jobs]
-    streams = [stream_job(j, days) for j in jobs]
+    streams = [stream_job(j, days) for j in jobs] + [streams_job(jobs, days)]
     marts, dbt = dbt_definitions(settings)
     savepoints = savepoint_job(jobs)
     backfill_job, backfill_schedule = daily_backfill(jobs, bounded, days)

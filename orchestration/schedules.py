@@ -31,27 +31,30 @@ def savepoint_job(jobs: list[Job]) -> dg.JobDefinition:
         from streaming.savepoints import Savepoints
 
         settings = lakestream.settings()
-        spark = None
-        taken = {}
+        # Every stream that should run is paused first (so the supervisor leaves them all alone, and
+        # an application is not restarted between the savepoints of two of its jobs), then each is
+        # stopped with a savepoint, then all are marked to resume from their savepoints.
+        paused = {}
         for job in jobs:
             desired = DesiredState(context.instance, job.name)
             wanted = desired.get()
-            if wanted.get("state") != "running":
-                continue
-            spark = spark or lakestream.spark(pyspark)
-            desired.set("paused", **{k: v for k, v in wanted.items() if k not in ("state", "updated_ms")},
-                        reason="savepoint-before-deploy")
-            try:
-                savepoint = Savepoints(spark, settings, progress=context.log.info).create(get_job(job.name, settings))
-            except BaseException:
-                desired.set("running", **{k: v for k, v in wanted.items() if k not in ("state", "updated_ms")})
-                raise
-            desired.set("running", **{k: v for k, v in wanted.items() if k not in ("state", "updated_ms")},
-                        from_savepoint=savepoint.id)
-            taken[job.name] = savepoint.id
-            context.log.info(f"{job.name}: savepoint {savepoint.id}; the supervisor resumes it from there")
+            if wanted.get("state") == "running":
+                paused[job.name] = {k: v for k, v in wanted.items() if k not in ("state", "updated_ms", "reason")}
+                desired.set("paused", **{**paused[job.name], "reason": "savepoint-before-deploy"})
+        taken = {}
+        try:
+            spark = lakestream.spark(pyspark) if paused else None
+            for name in paused:
+                savepoint = Savepoints(spark, settings, progress=context.log.info).create(get_job(name, settings))
+                taken[name] = savepoint.id
+                context.log.info(f"{name}: savepoint {savepoint.id}")
+        finally:  # resume every paused stream; from its savepoint when one was taken
+            for name, wanted in paused.items():
+                extra = {"from_savepoint": taken[name]} if name in taken else {}
+                DesiredState(context.instance, name).set("running", **{**wanted, **extra})
         if taken:
-            context.instance.add_run_tags(context.run_id, {f"lakestream/savepoint/{k}": v for k, v in taken.items()})
+            context.log.info(f"the supervisor resumes {', '.join(taken)} from their savepoints")
+            context.instance.add_run_tags(context.run_id, {f"lakestream/savepoint.{k}": v for k, v in taken.items()})
         yield dg.Output(None, metadata={name: savepoint for name, savepoint in taken.items()} or {"streams": "none running"})
 
     @dg.job(name="savepoint_before_deploy", description=take_savepoints.description)

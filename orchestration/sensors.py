@@ -4,7 +4,8 @@
   ``checkpoint_health`` asset check of its table when the verdict changes (and at least every
   10 minutes), as a runless evaluation: no run, no Spark.
 * ``stream_supervisor``: a stream that should be running (``DesiredState``) but has no active run
-  is started again from its checkpoint. A run that ended cleanly (rolled over, stopped for a
+  is started again from its checkpoint (a multi-job application as a whole, with those of its
+  jobs that should run). A run that ended cleanly (rolled over, stopped for a
   savepoint) is followed at once; after a failed run the restart waits ``2**(n-1) x 30 s`` for the
   n-th consecutive failure and gives up after ``MAX_ATTEMPTS``. Every restart carries its reason
   and attempt in the run's tags and is reported as the table's ``stream_supervisor`` check. A run
@@ -22,7 +23,7 @@ from streaming.declaration import Job
 
 from .checks import health_evaluation
 from .resources import LakestreamResource
-from .streams import DesiredState
+from .streams import APP_JOB, APP_OP, DesiredState, jobs_of_run
 from .tables import table_key
 
 MAX_ATTEMPTS = 5
@@ -62,26 +63,42 @@ def supervisor_sensor(jobs: list[Job], stream_jobs: list[dg.JobDefinition]) -> d
                description="Restart streams that should be running and are not (exponential backoff).")
     def stream_supervisor(context: dg.SensorEvaluationContext):
         requests = []
+        covered: set[str] = set()  # jobs an application restart of this tick already covers
+        names = [j.name for j in jobs]
         for job in jobs:
-            request = supervise(context.instance, job)
+            if job.name in covered:
+                continue
+            request = supervise(context.instance, job, all_jobs=names)
             if request is not None:
                 requests.append(request)
+                covered.update(request.tags.get("lakestream/jobs", job.name).split(","))
         return requests or dg.SkipReason("every stream that should run is running")
 
     return stream_supervisor
 
 
-def supervise(instance: dg.DagsterInstance, job: Job, now: float | None = None) -> dg.RunRequest | None:
-    """The run request that restarts ``job``'s stream, if it should be running and is not."""
+def _stream_runs(instance: dg.DagsterInstance, job: str, all_jobs: list[str], statuses=None, limit: int = 20):
+    """The runs (newest first) that ran ``job``: its own ``<job>_stream`` runs and applications with it."""
+    records = []
+    for name in (f"{job}_stream", APP_JOB):
+        records += instance.get_run_records(dg.RunsFilter(job_name=name, statuses=statuses), limit=limit)
+    records = [r for r in records if job in jobs_of_run(r.dagster_run, all_jobs)]
+    return sorted(records, key=lambda r: r.create_timestamp, reverse=True)[:limit]
+
+
+def supervise(instance: dg.DagsterInstance, job: Job, now: float | None = None,
+              all_jobs: list[str] | None = None) -> dg.RunRequest | None:
+    """The run request that restarts ``job``'s stream (or the application it ran in), if it should
+    be running and is not."""
     now = time.time() if now is None else now
+    all_jobs = all_jobs or [job.name]
     desired = DesiredState(instance, job.name)
     wanted = desired.get()
     if wanted.get("state") != "running":
         return None
-    name = f"{job.name}_stream"
-    if instance.get_runs(dg.RunsFilter(job_name=name, statuses=ACTIVE), limit=1):
+    if _stream_runs(instance, job.name, all_jobs, statuses=ACTIVE, limit=5):
         return None
-    records = instance.get_run_records(dg.RunsFilter(job_name=name), limit=20)
+    records = _stream_runs(instance, job.name, all_jobs)
     last = records[0] if records else None
     if last is not None and last.dagster_run.status == dg.DagsterRunStatus.CANCELED:
         desired.set("stopped", reason="terminated", run_id=last.dagster_run.run_id)  # a stop request, not a crash
@@ -91,6 +108,8 @@ def supervise(instance: dg.DagsterInstance, job: Job, now: float | None = None) 
         if record.dagster_run.status != dg.DagsterRunStatus.FAILURE:
             break
         failures += 1
+    application = [n for n in wanted.get("application") or [] if n in all_jobs]
+    name = APP_JOB if application else f"{job.name}_stream"
     if failures >= MAX_ATTEMPTS:
         _report(instance, job, False, f"gave up after {failures} consecutive failed runs; fix the cause and launch "
                 f"{name} again", attempt=failures)
@@ -101,21 +120,33 @@ def supervise(instance: dg.DagsterInstance, job: Job, now: float | None = None) 
         ended = last.end_time or last.update_timestamp.timestamp()
         if now - ended < wait:
             return None
-    reason = "savepoint" if wanted.get("from_savepoint") else "crashed" if failures else "ended"
+    previous = last.dagster_run.run_id if last else "none"
     config = {"mode": "continuous", "trigger_interval": wanted.get("trigger_interval", "5s"),
-              "from_savepoint": wanted.get("from_savepoint", ""),
               "materialize_every": wanted.get("materialize_every", "10s"),
               "rollover_after": wanted.get("rollover_after", "24h")}
-    previous = last.dagster_run.run_id if last else "none"
+    together = [job.name]
+    if application:  # the application restarts as a whole, with those of its jobs that should run
+        together = [n for n in application if n == job.name or DesiredState(instance, n).get().get("state") == "running"]
+        savepoints = {n: DesiredState(instance, n).get().get("from_savepoint") for n in together}
+        config.update(jobs=together, from_savepoints={n: sp for n, sp in savepoints.items() if sp})
+        op = APP_OP
+    else:
+        config["from_savepoint"] = wanted.get("from_savepoint", "")
+        op = job.name
+    from_savepoint = any(DesiredState(instance, n).get().get("from_savepoint") for n in together)
+    reason = "savepoint" if from_savepoint else "crashed" if failures else "ended"
     _report(instance, job, failures == 0, f"restarted {name} ({reason}; previous run {previous}, attempt {failures + 1})",
             attempt=failures + 1)
-    if wanted.get("from_savepoint"):
-        desired.set("running", **{k: v for k, v in wanted.items() if k not in ("state", "from_savepoint", "updated_ms")})
+    for n in together:  # the savepoint is consumed by this restart
+        state = DesiredState(instance, n)
+        current = state.get()
+        if current.get("from_savepoint"):
+            state.set("running", **{k: v for k, v in current.items() if k not in ("state", "from_savepoint", "updated_ms")})
     return dg.RunRequest(
         run_key=f"{job.name}:{previous}:{int(now)}", job_name=name,
-        run_config={"ops": {job.name: {"config": config}}},
+        run_config={"ops": {op: {"config": config}}},
         tags={"lakestream/restart-of": previous, "lakestream/restart-attempt": str(failures + 1),
-              "lakestream/restart-reason": reason},
+              "lakestream/restart-reason": reason, "lakestream/jobs": ",".join(together)},
     )
 
 

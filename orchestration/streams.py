@@ -8,9 +8,13 @@ partition are merged over ``materialize_every`` (default 10 s; ``0s`` logs every
 continuous run ends itself after ``rollover_after`` (default 24 h); the ``stream_supervisor``
 sensor starts the next one from the checkpoint.
 
-A continuous run records that its stream *should be running* (``DesiredState``). Terminating
-the run from the UI stops the query after its current batch and records *stopped*; a run that
-crashes leaves *running* behind, and the supervisor restarts it.
+The ``streams`` job runs several jobs (run config ``jobs``, default all) as queries of one Spark
+application: one JVM instead of one per job; terminating it, or a stop-with-savepoint of any of
+its jobs, stops them all after their current batches.
+
+A continuous run records that its streams *should be running* (``DesiredState``). Terminating
+the run from the UI stops the queries after their current batch and records *stopped*; a run that
+crashes leaves *running* behind, and the supervisor restarts it (an application as a whole).
 """
 
 
@@ -26,7 +30,7 @@ from streaming.declaration import Job
 from streaming.durations import parse_duration
 from streaming.handlers import BatchResult
 from streaming.jobs import get_job
-from streaming.runner import describe_watermark, run_stream
+from streaming.runner import describe_watermark, run_streams
 from streaming.tables import job_sinks
 
 from .resources import LakestreamResource
@@ -126,59 +130,113 @@ class MaterializationReporter:
         self.last_flush = time.monotonic()
 
 
+APP_JOB = "streams"  # every job (or those chosen in run config) as one Spark application
+APP_OP = "run_streams"
+
+
+class StreamsConfig(dg.Config):
+    """Which jobs to run together, as queries of one Spark application, and how."""
+
+    jobs: list[str] = []  # empty: every job
+    mode: str = "available_now"
+    trigger_interval: str = "5s"
+    from_savepoints: dict[str, str] = {}  # job -> savepoint id to restore before starting
+    materialize_every: str = "10s"
+    rollover_after: str = "24h"
+
+
+def jobs_of_run(run: dg.DagsterRun, all_jobs: list[str]) -> list[str]:
+    """The lakestream jobs a stream run runs (from its Dagster job and run config)."""
+    if run.job_name == APP_JOB:
+        config = (run.run_config or {}).get("ops", {}).get(APP_OP, {}).get("config", {})
+        return list(config.get("jobs") or all_jobs)
+    return [run.job_name[: -len("_stream")]] if run.job_name.endswith("_stream") else []
+
+
+def _run_streams(context: dg.OpExecutionContext, names: list[str], config, from_savepoints: dict[str, str],
+                 lakestream: LakestreamResource, pyspark: LazyPySparkResource, partitions_def) -> None:
+    """What a stream run does, for one job or several (one query each, in one Spark application)."""
+    if config.mode not in ("available_now", "continuous"):
+        raise dg.Failure(f"mode must be 'available_now' or 'continuous', got {config.mode!r}")
+    interval = parse_duration(config.trigger_interval, field="trigger_interval")
+    settings = lakestream.settings()
+    for name in names:
+        settings = settings.with_job(name, trigger_interval=interval)
+    declared = [get_job(name, settings) for name in names]
+    spark = lakestream.spark(pyspark)
+    if from_savepoints:
+        from streaming.savepoints import Savepoints
+
+        for job in declared:
+            if from_savepoints.get(job.name):
+                Savepoints(spark, settings, progress=context.log.info).restore(job, from_savepoints[job.name])
+    continuous = config.mode == "continuous"
+    application = names if len(names) > 1 else None
+    if continuous:
+        for name in names:
+            DesiredState(context.instance, name).set(
+                "running", run_id=context.run_id, mode=config.mode, trigger_interval=config.trigger_interval,
+                materialize_every=config.materialize_every, rollover_after=config.rollover_after,
+                **({"application": application} if application else {}))
+    every_s = parse_duration(config.materialize_every).total_seconds()
+    reporters = {}
+    for job in declared:
+        sinks = job_sinks(spark, settings, job)
+        reporters[job.name] = MaterializationReporter(context, job, {t.table.name: t.version for t in sinks.all()},
+                                                      every_s)
+        reporters[job.name].partitions_def = partitions_def
+
+    def flush_all() -> None:
+        for reporter in reporters.values():
+            reporter.flush()
+
+    def stopped_on_request() -> None:
+        for name in names:
+            DesiredState(context.instance, name).set("stopped", reason="terminated", run_id=context.run_id)
+
+    stop = threading.Event()
+    rolled = threading.Timer(parse_duration(config.rollover_after).total_seconds(), stop.set)
+    if continuous:
+        rolled.start()
+    try:
+        # Dagster terminates a run with SIGINT (SIGTERM on a cluster). Taken as a stop request, it
+        # never lands inside a Py4J call or an event-log write: the queries stop after their batch.
+        # In an application, a stop request to one job (stop-with-savepoint) stops them all, so the
+        # supervisor can start the application again from its savepoints.
+        reports = run_streams(spark, settings, declared, available_now=not continuous,
+                              progress=lambda result: reporters[result.job].on_batch(result),
+                              stop_event=stop, install_signal_handlers=True,
+                              tick=lambda query: reporters[query.name].tick(query), stop_together=True)
+    except BaseException:
+        if _terminating(context):  # interrupted before the stop request could be taken
+            stopped_on_request()
+            flush_all()
+        raise
+    finally:
+        rolled.cancel()
+    flush_all()
+    signalled = next((r.signal for r in reports if r.signal), None)
+    batches = ", ".join(f"{r.job} after batch {r.last.batch_id if r.last else None}" for r in reports)
+    if signalled is not None:  # terminated from the UI (or the process was asked to stop)
+        if _terminating(context):
+            stopped_on_request()
+        context.log.info(f"{signalled} received; stopped {batches}")
+        raise dg.DagsterExecutionInterruptedError(f"interrupted ({signalled}); stopped {batches}")
+    if continuous and stop.is_set():
+        context.log.info(f"rolled over after {config.rollover_after}; the supervisor starts the next run")
+    for report in reports:
+        s = report.stats
+        context.log.info(f"{report.job}: {report.batches} batch(es), {s.lines:,} lines, {s.rows_written:,} rows "
+                         f"written; watermark "
+                         f"{describe_watermark(report.totals.watermark_out_ms if report.totals else None)}")
+
+
 def stream_job(job: Job, partitions_def) -> dg.JobDefinition:
     @dg.op(name=job.name, description=f"Run {job.name} as a stream.", tags={"kind": "spark"})
     def run(context: dg.OpExecutionContext, config: StreamConfig, lakestream: LakestreamResource,
             pyspark: LazyPySparkResource) -> None:
-        if config.mode not in ("available_now", "continuous"):
-            raise dg.Failure(f"mode must be 'available_now' or 'continuous', got {config.mode!r}")
-        settings = lakestream.settings().with_job(
-            job.name, trigger_interval=parse_duration(config.trigger_interval, field="trigger_interval"))
-        declared = get_job(job.name, settings)
-        spark = lakestream.spark(pyspark)
-        desired = DesiredState(context.instance, job.name)
-        if config.from_savepoint:
-            from streaming.savepoints import Savepoints
-
-            Savepoints(spark, settings, progress=context.log.info).restore(declared, config.from_savepoint)
-        continuous = config.mode == "continuous"
-        if continuous:
-            desired.set("running", run_id=context.run_id, mode=config.mode, trigger_interval=config.trigger_interval,
-                        materialize_every=config.materialize_every, rollover_after=config.rollover_after)
-        sinks = job_sinks(spark, settings, declared)
-        versions = {s.table.name: s.version for s in sinks.all()}
-        reporter = MaterializationReporter(context, declared, versions,
-                                           parse_duration(config.materialize_every).total_seconds())
-        reporter.partitions_def = partitions_def
-        stop = threading.Event()
-        rolled = threading.Timer(parse_duration(config.rollover_after).total_seconds(), stop.set)
-        if continuous:
-            rolled.start()
-        try:
-            # Dagster terminates a run with SIGINT (SIGTERM on a cluster). Taken as a stop request, it
-            # never lands inside a Py4J call or an event-log write: the query stops after its batch.
-            report = run_stream(spark, settings, declared, available_now=not continuous, progress=reporter.on_batch,
-                                stop_event=stop, install_signal_handlers=True, tick=reporter.tick)
-        except BaseException:
-            if _terminating(context):  # interrupted before the stop request could be taken
-                desired.set("stopped", reason="terminated", run_id=context.run_id)
-                reporter.flush()
-            raise
-        finally:
-            rolled.cancel()
-        reporter.flush()
-        if report.signal is not None:  # terminated from the UI (or the process was asked to stop)
-            last = report.last.batch_id if report.last is not None else None
-            if _terminating(context):
-                desired.set("stopped", reason="terminated", run_id=context.run_id)
-            context.log.info(f"{job.name}: {report.signal} received; stopped after batch {last}")
-            raise dg.DagsterExecutionInterruptedError(f"{job.name} was interrupted ({report.signal}); "
-                                                      f"its checkpoint is at batch {last}")
-        if continuous and stop.is_set():
-            context.log.info(f"{job.name}: rolled over after {config.rollover_after}; the supervisor starts the next run")
-        s = report.stats
-        context.log.info(f"{job.name}: {report.batches} batch(es), {s.lines:,} lines, {s.rows_written:,} rows written; "
-                         f"watermark {describe_watermark(report.totals.watermark_out_ms if report.totals else None)}")
+        _run_streams(context, [job.name], config, {job.name: config.from_savepoint} if config.from_savepoint else {},
+                     lakestream, pyspark, partitions_def)
 
     @dg.job(name=f"{job.name}_stream", description=f"Stream {job.name} ({job.description})",
             tags={STREAM_TAG: job.name})
@@ -186,6 +244,30 @@ def stream_job(job: Job, partitions_def) -> dg.JobDefinition:
         run()
 
     return stream
+
+
+def streams_job(jobs: list[Job], partitions_def) -> dg.JobDefinition:
+    known = [j.name for j in jobs]
+
+    @dg.op(name=APP_OP, description="Run the chosen jobs (config 'jobs', default all) as queries of one Spark "
+                                     "application.", tags={"kind": "spark"})
+    def run(context: dg.OpExecutionContext, config: StreamsConfig, lakestream: LakestreamResource,
+            pyspark: LazyPySparkResource) -> None:
+        unknown = [name for name in config.jobs if name not in known]
+        if unknown:
+            raise dg.Failure(f"unknown job(s) {', '.join(unknown)} in 'jobs'; known: {', '.join(known)}")
+        names = list(dict.fromkeys(config.jobs)) or known
+        stray = [name for name in config.from_savepoints if name not in names]
+        if stray:
+            raise dg.Failure(f"'from_savepoints' names {', '.join(stray)}, which this run does not run ({', '.join(names)})")
+        _run_streams(context, names, config, config.from_savepoints, lakestream, pyspark, partitions_def)
+
+    @dg.job(name=APP_JOB, description="Stream several jobs in one Spark application (run config: jobs, mode, "
+                                      "trigger_interval, from_savepoints)", tags={STREAM_TAG: APP_JOB})
+    def streams():
+        run()
+
+    return streams
 
 
 def _terminating(context: dg.OpExecutionContext) -> bool:

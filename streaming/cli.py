@@ -13,7 +13,7 @@ import time
 from datetime import timedelta
 
 from .durations import parse_duration, parse_instant
-from .errors import LakestreamError, translate_jvm_error
+from .errors import ConfigError, LakestreamError, translate_jvm_error
 from .settings import Settings
 
 
@@ -109,25 +109,34 @@ def _job(args, settings):
 
 
 def cmd_run(args) -> int:
-    from .runner import describe_watermark, run_stream
+    from .runner import describe_watermark, run_streams
     from .session import get_spark
 
+    names = list(dict.fromkeys(args.job))
+    if args.from_savepoint and len(names) > 1:
+        raise ConfigError("--from-savepoint restores one job; run that job alone first (lakestream run JOB "
+                          "--from-savepoint ID), then all of them together")
     settings = _settings(args)
-    job, settings = _job(args, settings)
+    jobs = []
+    for name in names:
+        args.job = name
+        job, settings = _job(args, settings)
+        jobs.append(job)
     spark = get_spark(settings)
     if args.from_savepoint:
         from .savepoints import Savepoints
 
-        Savepoints(spark, settings).restore(job, args.from_savepoint)
+        Savepoints(spark, settings).restore(jobs[0], args.from_savepoint)
     from .faults import pause_from_environment
 
-    report = run_stream(spark, settings, job, available_now=args.available_now, fault=pause_from_environment())
-    s = report.stats
-    print(
-        f"{job.name}: {report.batches} batch(es): {s.lines:,} lines, {s.events:,} events, {s.late:,} late, "
-        f"{s.quarantined:,} quarantined, {s.rows_written:,} rows written to {job.sink.name}; "
-        f"watermark {describe_watermark(report.totals.watermark_out_ms if report.totals else None)}"
-    )
+    reports = run_streams(spark, settings, jobs, available_now=args.available_now, fault=pause_from_environment())
+    for job, report in zip(jobs, reports):
+        s = report.stats
+        print(
+            f"{job.name}: {report.batches} batch(es): {s.lines:,} lines, {s.events:,} events, {s.late:,} late, "
+            f"{s.quarantined:,} quarantined, {s.rows_written:,} rows written to {job.sink.name}; "
+            f"watermark {describe_watermark(report.totals.watermark_out_ms if report.totals else None)}"
+        )
     return 0
 
 
@@ -260,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--follow", action="store_true", help="keep producing in real time")
     gen.set_defaults(fn=cmd_generate)
 
-    run = sub.add_parser("run", help="run a job as a stream")
-    run.add_argument("job")
+    run = sub.add_parser("run", help="run jobs as streams (several: queries of one Spark application)")
+    run.add_argument("job", nargs="+", help="one job, or several to run together")
     run.add_argument("--available-now", action="store_true", help="consume what exists, then stop")
     run.add_argument("--trigger-interval", help="micro-batch interval for continuous runs, e.g. 5s")
     run.add_argument("--max-files-per-trigger", type=int)

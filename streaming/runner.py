@@ -188,15 +188,29 @@ def stop_gracefully(query, report: StreamReport | None = None, timeout_s: float 
     query.stop()
 
 
-def _stop_on_signal(report: StreamReport, stop: threading.Event, signum: int, _frame) -> None:
-    report.signal = signal.Signals(signum).name
+def _stop_on_signal(received: list[str], stop: threading.Event, signum: int, _frame) -> None:
+    received.append(signal.Signals(signum).name)
     stop.set()
 
 
-def run_stream(
+def run_stream(spark, settings: Settings, job: Job, *, available_now: bool,
+               progress: ProgressFn | None = print_progress, stop_event: threading.Event | None = None,
+               install_signal_handlers: bool = True, fault: FaultFn | None = None,
+               tick: Callable[[object], None] | None = None) -> StreamReport:
+    """Run one job as a stream; see ``run_streams``."""
+    return run_streams(spark, settings, [job], available_now=available_now, progress=progress, stop_event=stop_event,
+                       install_signal_handlers=install_signal_handlers, fault=fault, tick=tick)[0]
+
+
+class _Running:
+    def __init__(self, job: Job, query, report: StreamReport, control: StreamControl):
+        self.job, self.query, self.report, self.control = job, query, report, control
+
+
+def run_streams(
     spark,
     settings: Settings,
-    job: Job,
+    jobs: list[Job],
     *,
     available_now: bool,
     progress: ProgressFn | None = print_progress,
@@ -204,52 +218,82 @@ def run_stream(
     install_signal_handlers: bool = True,
     fault: FaultFn | None = None,
     tick: Callable[[object], None] | None = None,
-) -> StreamReport:
-    """Run until the input is consumed (available-now) or until stopped (SIGINT/SIGTERM/``stop_event``).
+    stop_together: bool = False,
+) -> list[StreamReport]:
+    """Run jobs as streaming queries of one Spark application, until the input is consumed
+    (available-now) or until stopped (SIGINT/SIGTERM/``stop_event``: every query stops after its
+    current batch). A stop request addressed to one job (stop-with-savepoint) stops that query only,
+    or every query with ``stop_together``; a query that fails stops the others gracefully and its
+    error is raised.
 
     ``progress`` is called after each committed batch, on Spark's batch thread; ``tick(query)`` is
-    called about twice a second (and once at the end) on the calling thread, e.g. to publish
-    progress from there.
+    called about twice a second per query (and once at the end) on the calling thread, e.g. to
+    publish progress from there.
     """
-    query, report = start_stream(spark, settings, job, available_now=available_now, progress=progress, fault=fault)
-    control = StreamControl(spark, settings.checkpoint_dir(job.name))
-    control.mark_running(report.query_id)
+    names = [job.name for job in jobs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"a job can run only once per application; got {', '.join(names)}")
     stop = stop_event or threading.Event()
+    started: list[_Running] = []
+    reports: list[StreamReport] = []
+    received: list[str] = []  # the signals that asked to stop
     previous = {}
     if install_signal_handlers and threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, functools.partial(_stop_on_signal, report, stop))
+            previous[sig] = signal.signal(sig, functools.partial(_stop_on_signal, received, stop))
     try:
-        if not available_now and progress is not None:
-            folders = ", ".join(settings.landing_dir(s.name) for s in job.sources)
-            print(
-                f"{job.name}: streaming from {folders} every "
-                f"{format_duration(settings.job(job.name).trigger_interval)}; Ctrl-C stops after the current batch",
-                flush=True,
-            )
+        for job in jobs:
+            query, report = start_stream(spark, settings, job, available_now=available_now, progress=progress,
+                                         fault=fault)
+            control = StreamControl(spark, settings.checkpoint_dir(job.name))
+            started.append(_Running(job, query, report, control))
+            reports.append(report)
+            control.mark_running(report.query_id)
+            if not available_now and progress is not None:
+                folders = ", ".join(settings.landing_dir(s.name) for s in job.sources)
+                print(
+                    f"{job.name}: streaming from {folders} every "
+                    f"{format_duration(settings.job(job.name).trigger_interval)}; Ctrl-C stops after the current batch",
+                    flush=True,
+                )
+        running = list(started)
         polls = 0
-        started = time.monotonic()
-        while query.isActive:
+        began = time.monotonic()
+        while running:
             polls += 1
-            if stop.is_set() or (polls % 4 == 0 and control.stop_requested()):
-                stop_gracefully(query, report)
-                break
-            if available_now and _polls(job) and _drained(query, time.monotonic() - started):
-                stop_gracefully(query, report)
-                break
-            query.awaitTermination(0.5)
-            if tick is not None:
-                tick(query)
-        if query.exception() is not None:
-            raise query.exception()
+            if stop_together and polls % 4 == 0 and any(r.control.stop_requested() for r in running):
+                stop.set()
+            for r in list(running):
+                if not r.query.isActive:
+                    running.remove(r)
+                    if r.query.exception() is not None:
+                        raise r.query.exception()
+                    r.control.clear()
+                elif stop.is_set() or (polls % 4 == 0 and r.control.stop_requested()) or (
+                        available_now and _polls(r.job) and _drained(r.query, time.monotonic() - began)):
+                    stop_gracefully(r.query, r.report)
+                    running.remove(r)
+                    r.control.clear()  # a savepoint waiting for this job may go on
+            if running:
+                running[0].query.awaitTermination(0.5)
+                if tick is not None:
+                    for r in running:
+                        tick(r.query)
+        for r in started:
+            if r.query.exception() is not None:
+                raise r.query.exception()
     except BaseException:
-        if query.isActive:  # interrupted (e.g. a Dagster run terminated): stop after the current batch
-            stop_gracefully(query, report)
+        for r in started:
+            if r.query.isActive:  # interrupted, or another query failed: stop after the current batch
+                stop_gracefully(r.query, r.report)
         raise
     finally:
-        control.clear()
+        for r in started:
+            r.control.clear()
+            r.report.signal = received[0] if received else None
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if tick is not None:
-            tick(query)
-    return report
+            for r in started:
+                tick(r.query)
+    return reports

@@ -29,6 +29,12 @@ def test_unknown_job_names_the_known_jobs():
     assert_one_line_error(lakestream("run", "purchase_metric"), "unknown job 'purchase_metric'; known jobs: decline_velocity,")
 
 
+def test_several_jobs_run_together_but_a_savepoint_restores_one():
+    assert_one_line_error(lakestream("run", "purchase_metrics", "no_such_job"), "unknown job 'no_such_job'")
+    assert_one_line_error(lakestream("run", "purchase_metrics", "decline_velocity", "--from-savepoint", "x"),
+                          "--from-savepoint restores one job")
+
+
 @pytest.mark.parametrize(
     "start, end, phrase",
     [("2026-11-21", "2026-11-20", "is not after --start"), ("yesterday", "2026-11-20", "ISO-8601"), ("2026-11-20", "2026-13-01", "--end")],

@@ -87,6 +87,48 @@ def test_a_stream_run_records_a_materialization_per_batch_and_partition(spark, s
     assert sum(m.metadata["rows_written"].value for m in main) == len(truth.closed)
 
 
+def test_the_streams_job_runs_several_jobs_in_one_application_and_is_supervised_as_a_whole(spark, small_landing):
+    from tests import oracle_jobs as oj
+
+    names = ["purchase_metrics", "large_amount_alerts"]
+    settings = write_config(small_landing, {n: {"max_files_per_trigger": 6} for n in names})
+    defs = defs_for(settings)
+    config = {"ops": {"run_streams": {"config": {"jobs": names, "materialize_every": "0s"}}}}
+    with dg.instance_for_test() as instance:
+        result = defs.resolve_job_def("streams").execute_in_process(instance=instance, run_config=config)
+        assert result.success
+        touched = {e.event_specific_data.materialization.asset_key for e in result.all_events
+                   if e.event_type_value == "ASSET_MATERIALIZATION"}
+        assert {MAIN, dg.AssetKey(["lake", "fraud", "large_amount_alerts"])} <= touched
+
+        # a continuous application that ended (rolled over, say) restarts as a whole: one request
+        for n in names:
+            DesiredState(instance, n).set("running", trigger_interval="1s", application=names, run_id=result.run_id)
+        sensor = defs.resolve_sensor_def("stream_supervisor")
+        requests = sensor(dg.build_sensor_context(instance=instance, definitions=defs))
+        assert len(requests) == 1 and requests[0].job_name == "streams", requests
+        restart = requests[0].run_config["ops"]["run_streams"]["config"]
+        assert restart["jobs"] == names and restart["mode"] == "continuous"
+
+        bad = defs.resolve_job_def("streams").execute_in_process(
+            instance=instance, raise_on_error=False,
+            run_config={"ops": {"run_streams": {"config": {"jobs": ["purchase_metrics", "no_such_job"]}}}})
+        assert not bad.success
+        failure = next(e for e in bad.all_events if e.event_type_value == "STEP_FAILURE")
+        assert "unknown job(s) no_such_job" in str(failure.event_specific_data.error)
+
+    # each query of the application wrote what its job alone would: against independent oracles
+    files = oracle.files_in_arrival_order(Path(settings.landing_dir("payments")))
+    truth = oracle.replay_stream([[line for p in files[i:i + 6] for line in oracle.read_lines(p)]
+                                  for i in range(0, len(files), 6)])
+    assert spark.table("lake.payments.purchase_metrics").count() == len(truth.closed) > 0
+    on_time, late, watermark = oj.keyed_truth(oj.batches(Path(settings.landing), ["payments"], 6), lambda e: True, 5_000)
+    expected = oj.large_amounts([e for e in on_time if e["t_ms"] <= watermark])
+    alerts = {tuple(r) for r in spark.sql(
+        "SELECT card_id, event_id, previous_event_id FROM lake.fraud.large_amount_alerts").collect()}
+    assert alerts == expected and expected
+
+
 def test_materializing_a_partition_runs_the_bounded_twin_and_reports_reconciliation(spark, small_landing):
     from streaming.jobs import get_job
     from streaming.runner import run_stream
@@ -247,7 +289,7 @@ def test_savepoint_before_deploy_stops_the_stream_and_the_supervisor_resumes_fro
         runner.join(timeout=60)
         assert not runner.is_alive() and not errors, errors
         tags = instance.get_run_by_id(result.run_id).tags
-        savepoint = tags["lakestream/savepoint/purchase_metrics"]
+        savepoint = tags["lakestream/savepoint.purchase_metrics"]
         assert (Path(settings.savepoints) / "purchase_metrics" / savepoint / "manifest.json").exists()
         request = supervise(instance, job)
         assert request.run_config["ops"]["purchase_metrics"]["config"]["from_savepoint"] == savepoint
