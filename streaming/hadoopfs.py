@@ -20,8 +20,14 @@ class HadoopFS:
         return bool(self._fs(path).exists(self._path(path)))
 
     def read_text(self, path: str) -> str:
+        """The file's text; FileNotFoundError when it is missing (also when it vanishes meanwhile)."""
         fs = self._fs(path)
-        stream = fs.open(self._path(path))
+        try:
+            stream = fs.open(self._path(path))
+        except Exception as exc:  # Py4JJavaError wrapping java.io.FileNotFoundException
+            if "FileNotFoundException" in str(exc):
+                raise FileNotFoundError(path) from None
+            raise
         try:
             scanner = self._jvm.java.util.Scanner(stream, "UTF-8").useDelimiter("\\A")
             return scanner.next() if scanner.hasNext() else ""

@@ -52,7 +52,7 @@ class StreamControl:
             return None
         try:
             info = json.loads(self._fs.read_text(self.running_path))
-        except ValueError:
+        except (ValueError, FileNotFoundError):  # cleared meanwhile: the stream has just stopped
             return None
         if info.get("host") == socket.gethostname():
             try:
