@@ -162,18 +162,20 @@ def record_results(spark, settings: Settings, report: ReconcileReport) -> None:
 
 def unread_files(settings: Settings, job: Job) -> list[str]:
     """Landing files the stream has not read yet (from its checkpoint's source log)."""
-    from streaming.checkpoint import _landing_files, _local, inspect_checkpoint
+    from streaming.checkpoint import inspect_checkpoint, landing_files
 
     folders = [settings.landing_dir(s.name) for s in job.sources]
-    report = inspect_checkpoint(job.name, settings.checkpoint_dir(job.name), folders)
+    report = inspect_checkpoint(job.name, settings.checkpoint_dir(job.name), folders,
+                                storage_options=settings.storage_options)
     if not report.files_waiting and not report.files_in_flight:
         return []
     consumed = set(report.consumed_files)
     files = []
     for folder in folders:
         try:
-            files += [p for p in _landing_files(_local(folder)) if p not in consumed]
-        except ValueError:  # not a local folder: the source log cannot be compared without Spark
+            files += [f"{folder.rstrip('/')}/{key.rsplit('/', 1)[-1]}"  # as Spark reads it
+                      for key in landing_files(folder, settings.storage_options) if key not in consumed]
+        except (ValueError, OSError):  # the folder cannot be listed from Python: nothing to compare with
             return []
     return sorted(files)
 

@@ -6,13 +6,12 @@ read in plain Python when the definitions load: no SparkSession in the code serv
 
 
 import json
-import os
 from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
 
 import dagster as dg
 
-from streaming.checkpoint import inspect_checkpoint
+from streaming.checkpoint import inspect_checkpoint, landing_files
 from streaming.declaration import Job, Source, Table
 from streaming.settings import Settings
 
@@ -113,15 +112,19 @@ def landing_assets(sources: list[Source], jobs: list[Job]) -> dg.AssetsDefinitio
     def observe(lakestream: LakestreamResource):
         settings = lakestream.settings()
         for source in sources:
-            folder = Path(settings.landing_dir(source.name))
-            files = [e for e in (os.scandir(folder) if folder.is_dir() else []) if e.is_file() and not e.name.startswith((".", "_"))]
+            folder = settings.landing_dir(source.name)
+            try:
+                files = landing_files(folder, settings.storage_options)  # key -> (bytes, mtime ms)
+            except (ValueError, OSError) as exc:
+                raise dg.Failure(f"cannot list {folder}: {exc}") from None
             readers = [j for j in jobs if source in j.sources]
-            pending = [inspect_checkpoint(j.name, settings.checkpoint_dir(j.name), str(folder)) for j in readers]
+            pending = [inspect_checkpoint(j.name, settings.checkpoint_dir(j.name), folder,
+                                          storage_options=settings.storage_options) for j in readers]
             waiting = max(pending, key=lambda r: r.files_waiting, default=None)
-            newest = max((e.stat().st_mtime_ns for e in files), default=0)
+            newest = max((mtime for _, mtime in files.values()), default=0)
             yield dg.ObserveResult(
                 asset_key=landing_key(source.name),
-                metadata={"files": len(files), "bytes": sum(e.stat().st_size for e in files),
+                metadata={"files": len(files), "bytes": sum(size for size, _ in files.values()),
                           "pending_files": waiting.files_waiting if waiting else len(files),
                           "pending_bytes": waiting.bytes_waiting if waiting else 0,
                           "slowest_reader": waiting.job if waiting else "none"},

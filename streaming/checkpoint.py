@@ -21,8 +21,12 @@ import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from datetime import datetime, timezone
+from typing import Any, Mapping
 from urllib.parse import unquote, urlparse
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 _BATCH_FILE = re.compile(r"^(\d+)$")
 _SOURCE_LOG = re.compile(r"^(\d+)(\.compact)?$")
@@ -94,27 +98,111 @@ class CheckpointReport:
         return json.dumps(self.to_dict(), indent=1)
 
 
-def _local(path_or_uri: str) -> Path:
-    if "://" in path_or_uri or path_or_uri.startswith("file:"):
-        parsed = urlparse(path_or_uri)
-        if parsed.scheme not in ("file", ""):
-            raise ValueError(f"{path_or_uri}: only local checkpoints can be inspected without Spark")
-        return Path(unquote(parsed.path))
-    return Path(path_or_uri)
+class Tree:
+    """Read-only access to a folder on any file system fsspec knows, without a JVM: local paths and
+    ``file:`` URIs, ``s3a://`` / ``s3://`` (with s3fs), ``abfss://`` (adlfs), ``gs://`` (gcsfs),
+    ``hdfs://`` (pyarrow), ``memory://`` (tests). Paths below the root are joined with ``/``."""
+
+    def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None):
+        self.uri = uri
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+        except (ImportError, ValueError) as exc:
+            scheme = uri.split("://", 1)[0]
+            raise ValueError(
+                f"{uri}: cannot read {scheme}:// from Python ({exc}); install fsspec's implementation of {scheme} "
+                "(s3fs, adlfs, gcsfs) next to lakestream, and give its credentials as storage_options in the settings"
+            ) from None
+        self.local = isinstance(self.fs, LocalFileSystem)
+        self.root = self.root.rstrip("/") or "/"
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts]) if parts else self.root
+
+    def isdir(self, *parts: str) -> bool:
+        try:
+            return bool(self.fs.isdir(self.path(*parts)))
+        except OSError:
+            return False
+
+    def exists(self, *parts: str) -> bool:
+        try:
+            return bool(self.fs.exists(self.path(*parts)))
+        except OSError:
+            return False
+
+    def entries(self, *parts: str) -> list[dict]:
+        """The folder's entries (fsspec detail dicts), [] when it is missing."""
+        try:
+            return list(self.fs.ls(self.path(*parts), detail=True))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def names(self, *parts: str) -> list[str]:
+        return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in self.entries(*parts)]
+
+    def read_text(self, *parts: str) -> str:
+        return self.fs.cat_file(self.path(*parts)).decode("utf-8")
+
+    def mtime_ms(self, *parts: str) -> int | None:
+        return _mtime_ms(self.fs.info(self.path(*parts)))
+
+    def bytes_below(self, *parts: str) -> int:
+        try:
+            return int(self.fs.du(self.path(*parts), total=True)) if self.isdir(*parts) else 0
+        except OSError:
+            return 0
+
+    def key(self, name: str) -> str:
+        """How a listed file is named for comparison with the paths of Spark's source log (see file_key)."""
+        return os.path.realpath(name) if self.local else name.lstrip("/")
 
 
-def _numbered(folder: Path, pattern: re.Pattern = _BATCH_FILE) -> list[int]:
-    if not folder.is_dir():
-        return []
-    return sorted(int(m.group(1)) for name in os.listdir(folder) if (m := pattern.match(name)))
+def _mtime_ms(info: Mapping[str, Any]) -> int | None:
+    """Modification time of an fsspec entry: local ``mtime``, S3 ``LastModified``, ABFS ``last_modified``,
+    GCS ``updated``, memory ``created``."""
+    for name in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(name)
+        if value is None:
+            continue
+        if isinstance(value, (int, float)):
+            return int(value * 1000)
+        if isinstance(value, str):
+            try:
+                value = datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+        if isinstance(value, datetime):
+            if value.tzinfo is None:
+                value = value.replace(tzinfo=timezone.utc)
+            return int(value.timestamp() * 1000)
+    return None
 
 
-def _log_entry(path: Path, rel: str, problems: list[str]) -> list[str] | None:
+def file_key(path_or_uri: str) -> str:
+    """A file named in Spark's source log (``file:/...``, ``s3a://bucket/key``...) as Tree.key names it."""
+    if "://" not in path_or_uri and not path_or_uri.startswith("file:"):
+        return os.path.realpath(path_or_uri)
+    scheme = path_or_uri.split(":", 1)[0]
+    if scheme == "file":
+        return os.path.realpath(unquote(urlparse(path_or_uri).path))
+    try:
+        stripped = fsspec.get_filesystem_class(scheme)._strip_protocol(path_or_uri)  # noqa: SLF001 - fsspec's own normaliser
+    except (ImportError, ValueError):
+        stripped = path_or_uri.split("://", 1)[1]
+    return unquote(stripped).lstrip("/")
+
+
+def _numbered(tree: Tree, folder: str, pattern: re.Pattern = _BATCH_FILE) -> list[int]:
+    return sorted(int(m.group(1)) for name in tree.names(folder) if (m := pattern.match(name)))
+
+
+def _log_entry(tree: Tree, rel: str, problems: list[str]) -> list[str] | None:
     """The lines of a Spark metadata-log file after its version line, or None (and a problem)."""
     try:
-        text = path.read_text()
-    except OSError as exc:
-        problems.append(f"{rel} is unreadable: {exc.strerror}")
+        text = tree.read_text(rel)
+    except (OSError, UnicodeDecodeError) as exc:
+        problems.append(f"{rel} is unreadable: {getattr(exc, 'strerror', None) or exc}")
         return None
     lines = text.split("\n")
     if not lines or not re.fullmatch(r"v\d+", lines[0].strip()):
@@ -131,25 +219,14 @@ def _json(line: str, rel: str, problems: list[str]):
         return None
 
 
-def _tree_bytes(folder: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(folder):
-        for name in files:
-            try:
-                total += os.path.getsize(os.path.join(root, name))
-            except OSError:
-                pass
-    return total
-
-
-def _landing_files(landing: Path) -> dict[str, tuple[int, int]]:
-    """Visible files of the landing folder: path -> (bytes, mtime ms)."""
+def landing_files(folder: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, tuple[int, int]]:
+    """Visible files of a landing folder: key (see file_key) -> (bytes, mtime ms). ValueError if unreadable."""
+    tree = Tree(folder, storage_options)
     found = {}
-    if landing.is_dir():
-        for entry in os.scandir(landing):
-            if entry.is_file() and not entry.name.startswith((".", "_")):
-                st = entry.stat()
-                found[os.path.realpath(entry.path)] = (st.st_size, st.st_mtime_ns // 1_000_000)
+    for entry in tree.entries():
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        if entry.get("type") == "file" and not name.startswith((".", "_")):
+            found[tree.key(entry["name"])] = (int(entry.get("size") or 0), _mtime_ms(entry) or 0)
     return found
 
 
@@ -159,17 +236,21 @@ def inspect_checkpoint(
     landing: str | list[str] | None = None,
     thresholds: Thresholds | None = None,
     now_ms: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> CheckpointReport:
-    """Inspect ``checkpoint`` (and the job's ``landing`` folder(s), for the backlog). Never raises on bad files."""
+    """Inspect ``checkpoint`` (and the job's ``landing`` folder(s), for the backlog). Never raises on bad files.
+
+    ``storage_options`` go to fsspec for checkpoints and landing folders on object stores."""
     limits = thresholds or Thresholds()
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
     try:
-        root = _local(checkpoint)
+        root = Tree(checkpoint, storage_options)
     except ValueError as exc:
         report = CheckpointReport(job=job, path=checkpoint, exists=False, inspected_at_ms=now, problems=[str(exc)])
         report.health = Health(status="error", corrupt=True, messages=[str(exc)])
         return report
-    report = CheckpointReport(job=job, path=str(root), exists=root.is_dir(), inspected_at_ms=now)
+    report = CheckpointReport(job=job, path=root.root if root.local else checkpoint, exists=root.isdir(),
+                              inspected_at_ms=now)
     problems = report.problems
     if report.exists:
         _read_metadata(root, report)
@@ -184,9 +265,9 @@ def inspect_checkpoint(
             folders = [landing] if isinstance(landing, str) else landing
             files: dict[str, tuple[int, int]] = {}
             for folder in folders:
-                files.update(_landing_files(_local(folder)))
+                files.update(landing_files(folder, storage_options))
             waiting = {p: v for p, v in files.items() if p not in consumed}
-        except ValueError as exc:
+        except (ValueError, OSError) as exc:
             problems.append(str(exc))
             waiting = {}
         report.files_consumed = len(consumed)
@@ -200,24 +281,23 @@ def inspect_checkpoint(
     return report
 
 
-def _read_metadata(root: Path, report: CheckpointReport) -> None:
-    path = root / "metadata"
-    if not path.exists():
+def _read_metadata(root: Tree, report: CheckpointReport) -> None:
+    if not root.exists("metadata"):
         report.problems.append("metadata is missing (the query never started, or the folder is damaged)")
         return
     try:
-        report.query_id = json.loads(path.read_text().splitlines()[0])["id"]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        report.query_id = json.loads(root.read_text("metadata").splitlines()[0])["id"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, IndexError, TypeError):
         report.problems.append("metadata is corrupt: no query id")
 
 
-def _read_offsets_and_commits(root: Path, report: CheckpointReport) -> None:
-    planned = _numbered(root / "offsets")
-    committed = _numbered(root / "commits")
+def _read_offsets_and_commits(root: Tree, report: CheckpointReport) -> None:
+    planned = _numbered(root, "offsets")
+    committed = _numbered(root, "commits")
     if planned:
         n = planned[-1]
         report.last_planned_batch = n
-        lines = _log_entry(root / "offsets" / str(n), f"offsets/{n}", report.problems)
+        lines = _log_entry(root, f"offsets/{n}", report.problems)
         if lines:
             meta = _json(lines[0], f"offsets/{n}", report.problems)
             if isinstance(meta, dict):
@@ -228,14 +308,13 @@ def _read_offsets_and_commits(root: Path, report: CheckpointReport) -> None:
     if committed:
         n = committed[-1]
         report.last_committed_batch = n
-        path = root / "commits" / str(n)
-        lines = _log_entry(path, f"commits/{n}", report.problems)
+        lines = _log_entry(root, f"commits/{n}", report.problems)
         if lines is not None:
             if not lines:
                 report.problems.append(f"commits/{n} is corrupt: empty")
             else:
                 _json(lines[0], f"commits/{n}", report.problems)
-            report.last_commit_ms = path.stat().st_mtime_ns // 1_000_000
+            report.last_commit_ms = root.mtime_ms(f"commits/{n}")
     if report.last_planned_batch is not None and (
         report.last_committed_batch is None or report.last_planned_batch > report.last_committed_batch
     ):
@@ -251,65 +330,55 @@ def _read_offsets_and_commits(root: Path, report: CheckpointReport) -> None:
         )
 
 
-def _read_source_log(root: Path, report: CheckpointReport) -> tuple[set[str], set[str]]:
-    """(files of committed batches, files of batches not yet committed), as real local paths."""
+def _read_source_log(root: Tree, report: CheckpointReport) -> tuple[set[str], set[str]]:
+    """(files of committed batches, files of batches not yet committed), as file keys (see file_key)."""
     consumed: set[str] = set()
     pending: set[str] = set()
-    sources = root / "sources"
-    if not sources.is_dir():
-        return consumed, pending
     committed = report.last_committed_batch if report.last_committed_batch is not None else -1
-    for source in sorted(os.listdir(sources)):
-        folder = sources / source
-        names = {int(m.group(1)): m.group(0) for n in os.listdir(folder) if (m := _SOURCE_LOG.match(n))}
+    for source in sorted(root.names("sources")):
+        folder = f"sources/{source}"
+        names = {int(m.group(1)): m.group(0) for n in root.names(folder) if (m := _SOURCE_LOG.match(n))}
         compacts = [b for b, name in names.items() if name.endswith(".compact")]
         start = max(compacts) if compacts else min(names, default=0)
         for batch in sorted(b for b in names if b >= start):
-            rel = f"sources/{source}/{names[batch]}"
-            lines = _log_entry(folder / names[batch], rel, report.problems)
+            rel = f"{folder}/{names[batch]}"
+            lines = _log_entry(root, rel, report.problems)
             for line in lines or []:
                 entry = _json(line, rel, report.problems)
                 if not isinstance(entry, dict) or "path" not in entry:
                     break
-                path = os.path.realpath(_local(entry["path"]))
-                (consumed if entry.get("batchId", batch) <= committed else pending).add(path)
+                (consumed if entry.get("batchId", batch) <= committed else pending).add(file_key(entry["path"]))
     return consumed, pending - consumed
 
 
-def _read_state(root: Path, report: CheckpointReport) -> None:
-    state = root / "state"
-    if not state.is_dir():
-        return
-    for operator in sorted(os.listdir(state)):
-        folder = state / operator
-        if not folder.is_dir():
+def _read_state(root: Tree, report: CheckpointReport) -> None:
+    for operator in sorted(root.names("state")):
+        folder = f"state/{operator}"
+        if not root.isdir(folder):
             continue
-        partitions = [p for p in os.listdir(folder) if p.isdigit()]
-        versions = [v for p in partitions for v in _numbered(folder / p, _STATE_VERSION)]
-        size = _tree_bytes(folder)
+        partitions = [p for p in root.names(folder) if p.isdigit()]
+        versions = [v for p in partitions for v in _numbered(root, f"{folder}/{p}", _STATE_VERSION)]
+        size = root.bytes_below(folder)
         report.state_operators.append(StateOperator(operator, len(partitions), max(versions, default=None), size))
         report.state_bytes += size
 
 
-def _read_engine_state(root: Path, report: CheckpointReport) -> None:
-    engine = root / "lakestream"
-    batches = engine / "batches"
-    if not batches.is_dir():
-        return
-    ids = sorted(int(n[:-5]) for n in os.listdir(batches) if n.endswith(".json") and n[:-5].isdigit())
+def _read_engine_state(root: Tree, report: CheckpointReport) -> None:
+    batches = "lakestream/batches"
+    ids = sorted(int(n[:-5]) for n in root.names(batches) if n.endswith(".json") and n[:-5].isdigit())
     keyed = False
     for batch in ids:
         recorded = None
         try:
-            recorded = json.loads((batches / f"{batch}.json").read_text()).get("state_bytes")
-        except (OSError, ValueError, AttributeError):
+            recorded = json.loads(root.read_text(f"{batches}/{batch}.json")).get("state_bytes")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
             pass  # reported below if it is the newest record
         if recorded is not None:  # keyed job: Spark's state store size, recorded after the batch
             keyed = True
             report.engine_state_bytes[batch] = int(recorded)
         else:
-            report.engine_state_bytes[batch] = _tree_bytes(engine / "windows" / str(batch)) + _tree_bytes(
-                engine / "seen" / str(batch)
+            report.engine_state_bytes[batch] = root.bytes_below(f"lakestream/windows/{batch}") + root.bytes_below(
+                f"lakestream/seen/{batch}"
             )
     if not keyed:
         report.state_bytes += sum(report.engine_state_bytes.get(b, 0) for b in ids[-1:])
@@ -317,11 +386,11 @@ def _read_engine_state(root: Path, report: CheckpointReport) -> None:
     newest = committed[-1] if committed else (ids[-1] if ids else None)
     if newest is None:
         return
-    rel = f"lakestream/batches/{newest}.json"
+    rel = f"{batches}/{newest}.json"
     try:
-        record = json.loads((batches / f"{newest}.json").read_text())
+        record = json.loads(root.read_text(rel))
         report.watermark_ms = int(record["stats"]["watermark_out_ms"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         report.problems.append(f"{rel} is corrupt: no watermark")
 
 
@@ -332,7 +401,7 @@ def _age(now_ms: int, then_ms: int | None) -> str:
     return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}min ago"
 
 
-def _health(report: CheckpointReport, limits: Thresholds, root: Path) -> Health:
+def _health(report: CheckpointReport, limits: Thresholds, root: Tree) -> Health:
     h = Health()
     now = report.inspected_at_ms
     if report.problems:
@@ -345,7 +414,7 @@ def _health(report: CheckpointReport, limits: Thresholds, root: Path) -> Health:
         since = report.last_commit_ms
         if since is None and report.exists:
             try:
-                since = (root / "metadata").stat().st_mtime_ns // 1_000_000
+                since = root.mtime_ms("metadata")
             except OSError:
                 since = None
         limit_ms = limits.stall_factor * limits.trigger_interval_s * 1000

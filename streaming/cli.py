@@ -194,7 +194,8 @@ def cmd_checkpoint_inspect(args) -> int:
             raise LakestreamError(f"--stall-factor must be positive, got {args.stall_factor}")
         limits.stall_factor = args.stall_factor
     report = inspect_checkpoint(
-        job.name, settings.checkpoint_dir(job.name), [settings.landing_dir(s.name) for s in job.sources], limits
+        job.name, settings.checkpoint_dir(job.name), [settings.landing_dir(s.name) for s in job.sources], limits,
+        storage_options=settings.storage_options,
     )
     print(report.to_json() if args.json else describe(report))
     return 1 if report.health.status == "error" else 0

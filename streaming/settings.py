@@ -23,6 +23,8 @@ YAML keys (all optional)::
       conf: {spark.executor.memory: 4g}
     format: iceberg                   # table format of every sink: iceberg (default) | delta
     partitions_start: 2026-11-01      # first day of the tables' daily partitions (Dagster)
+    storage_options:                  # fsspec options for reading checkpoints and landing folders on an
+      client_kwargs: {endpoint_url: https://s3.eu-west-1.amazonaws.com}   # object store without a JVM
     delta:
       engine: delta-rs                # delta-rs (default) | spark (needs delta-spark's jars)
       storage_options: {AWS_REGION: eu-west-1}   # delta-rs object-store options
@@ -54,7 +56,7 @@ from .durations import parse_duration
 from .errors import ConfigError
 
 _TOP_KEYS = {"landing", "warehouse", "delta_root", "checkpoints", "savepoints", "spark", "iceberg", "delta", "format",
-             "partitions_start", "jobs"}
+             "partitions_start", "jobs", "storage_options"}
 _JOB_KEYS = {"out_of_orderness", "allowed_lateness", "trigger_interval", "max_files_per_trigger", "dedup_ttl", "format"}
 FORMATS = ("iceberg", "delta")
 _DELTA_ENGINES = ("delta-rs", "spark")
@@ -97,6 +99,7 @@ class Settings:
     format: str = "iceberg"
     delta_engine: str = "delta-rs"
     delta_storage_options: Mapping[str, str] = field(default_factory=dict)
+    storage_options: Mapping[str, Any] = field(default_factory=dict)  # fsspec: checkpoint inspection, landing listing
     partitions_start: str = "2026-11-01"
     jobs: Mapping[str, JobOverrides] = field(default_factory=dict)
     config_file: Path | None = None
@@ -153,6 +156,7 @@ class Settings:
             delta_engine=engine,
             partitions_start=_day(data.get("partitions_start", "2026-11-01")),
             delta_storage_options={str(k): str(v) for k, v in _mapping(delta.get("storage_options"), "delta.storage_options").items()},
+            storage_options=dict(_mapping(data.get("storage_options"), "storage_options")),
             jobs={name: _job_overrides(name, raw) for name, raw in _mapping(data.get("jobs"), "jobs").items()},
             config_file=Path(path) if path else None,
         )

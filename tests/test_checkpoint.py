@@ -6,6 +6,7 @@ report (query id, batches), the oracle's watermark over the same files, and the 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -178,3 +179,53 @@ def test_cli_prints_json_without_starting_spark(healthy):
     data = json.loads(result.stdout)
     assert data["query_id"] == stream.query_id and data["files_consumed"] == len(files)
     assert "SparkContext" not in result.stderr and "Setting default log level" not in result.stderr
+
+
+def test_a_checkpoint_and_landing_zone_on_an_object_store_are_read_alike_without_a_jvm(healthy):
+    """fsspec's memory:// file system stands in for s3a:// or abfss://: the checkpoint and the landing
+    zone are uploaded as a cluster job would have written them, and read through the object-store path."""
+    import fsspec
+
+    settings, stream, files = healthy
+    local = _inspect(settings)
+    fs = fsspec.filesystem("memory")
+    bucket = f"/bucket-{os.getpid()}-{id(fs)}"
+    landing = Path(settings.landing_dir("payments")).resolve()
+    remote_landing = f"memory://{bucket}/landing/payments"
+    for path in landing.iterdir():
+        fs.pipe(f"{bucket}/landing/payments/{path.name}", path.read_bytes())
+    checkpoint = Path(settings.checkpoint_dir(JOB))
+    for path in (p for p in checkpoint.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        if path.parent.parent.name == "sources":  # the source log names the files where Spark read them
+            data = data.replace(f"file://{landing}".encode(), remote_landing.encode())
+        fs.pipe(f"{bucket}/checkpoints/{JOB}/{path.relative_to(checkpoint)}", data)
+    for i in range(2):  # two files arrive after the stream stopped
+        fs.pipe(f"{bucket}/landing/payments/zz-late-{i}.jsonl", files[i].read_bytes())
+
+    remote = inspect_checkpoint(JOB, f"memory://{bucket}/checkpoints/{JOB}", remote_landing)
+
+    assert remote.exists and remote.problems == []
+    assert remote.query_id == stream.query_id
+    assert (remote.last_planned_batch, remote.last_committed_batch) == (stream.batches - 1, stream.batches - 1)
+    assert (remote.files_consumed, remote.files_in_flight, remote.files_waiting) == (len(files), 0, 2)
+    assert remote.bytes_waiting == files[0].stat().st_size + files[1].stat().st_size
+    assert remote.watermark_ms == oracle.replay_stream(_batches_of(files, FILES_PER_BATCH)).watermark_ms
+    assert remote.state_bytes == local.state_bytes > 0
+    assert [(o.operator, o.partitions, o.latest_version) for o in remote.state_operators] == \
+        [(o.operator, o.partitions, o.latest_version) for o in local.state_operators]
+    assert remote.last_commit_ms is not None and remote.shuffle_partitions == 2
+
+    fs.pipe(f"{bucket}/checkpoints/{JOB}/commits/{stream.batches - 1}", b"garbage")
+    damaged = inspect_checkpoint(JOB, f"memory://{bucket}/checkpoints/{JOB}", remote_landing)
+    assert damaged.health.corrupt and any("commits/" in p for p in damaged.problems)
+    fs.rm(bucket, recursive=True)
+
+
+def test_an_object_store_without_its_python_file_system_is_one_clear_problem():
+    report = inspect_checkpoint(JOB, "nosuchfs://bucket/checkpoints/purchase_metrics", "nosuchfs://bucket/landing")
+    assert report.health.status == "error" and len(report.problems) == 1
+    assert "install fsspec's implementation of nosuchfs" in report.problems[0]
+    if importlib.util.find_spec("s3fs") is None:  # the usual case here: the hint names the package to install
+        s3 = inspect_checkpoint(JOB, "s3a://bucket/checkpoints/purchase_metrics")
+        assert "s3fs" in s3.problems[0] and s3.health.status == "error"

@@ -64,6 +64,27 @@ def test_definitions_load_with_lineage_from_landing_through_jobs_to_the_marts(la
     assert any(k.asset_key == mart for k in graph.asset_check_keys), "dbt tests are asset checks"
 
 
+def test_the_landing_zone_is_observed_as_files_bytes_and_what_the_slowest_reader_has_not_read(small_landing):
+    from dagster._core.definitions.observe import observe  # the in-process form of the UI's "Observe sources"
+
+    defs = defs_for(small_landing)
+    landing = defs.resolve_assets_def(dg.AssetKey(["landing", "payments"]))
+    folder = Path(small_landing.landing_dir("payments"))
+    files = [p for p in folder.iterdir() if p.is_file() and not p.name.startswith((".", "_"))]
+    with dg.instance_for_test() as instance:
+        result = observe([landing], instance=instance)  # resources come bound from the definitions
+        assert result.success
+        seen = {e.asset_key: e.event_specific_data.asset_observation.metadata for e in result.all_events
+                if e.event_type_value == "ASSET_OBSERVATION"}
+    meta = seen[dg.AssetKey(["landing", "payments"])]
+    assert meta["files"].value == len(files) > 0
+    assert meta["bytes"].value == sum(p.stat().st_size for p in files)
+    assert meta["pending_files"].value == len(files)  # no stream has read anything yet
+    assert meta["slowest_reader"].value in {j for j in ("purchase_metrics", "decline_velocity", "large_amount_alerts",
+                                                        "rolling_spend", "user_sessions")}
+    assert seen[dg.AssetKey(["landing", "logins"])]["files"].value == 0
+
+
 def test_a_stream_run_records_a_materialization_per_batch_and_partition(spark, small_landing):
     settings = write_config(small_landing, {"purchase_metrics": {"max_files_per_trigger": 6}})
     defs = defs_for(settings)
