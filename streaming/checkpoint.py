@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -86,6 +87,7 @@ class CheckpointReport:
     state_operators: list[StateOperator] = field(default_factory=list)
     state_bytes: int = 0  # Spark state stores + the engine's state, on disk
     engine_state_bytes: dict[int, int] = field(default_factory=dict)  # batch id -> bytes
+    running: dict | None = None  # the marker of the process running the stream (pid, host, query id, start)
     problems: list[str] = field(default_factory=list)
     health: Health = field(default_factory=Health)
 
@@ -193,6 +195,27 @@ def file_key(path_or_uri: str) -> str:
     return unquote(stripped).lstrip("/")
 
 
+def live_marker(info: Any) -> dict | None:
+    """A stream's running marker, or None when it is unreadable or its process is gone (known on this host only)."""
+    if not isinstance(info, dict):
+        return None
+    if info.get("host") == socket.gethostname():
+        try:
+            os.kill(int(info["pid"]), 0)
+        except (ProcessLookupError, ValueError, KeyError, TypeError):
+            return None
+        except PermissionError:
+            pass  # alive, owned by someone else
+    return info
+
+
+def _read_running(root: Tree, report: CheckpointReport) -> None:
+    try:
+        report.running = live_marker(json.loads(root.read_text("lakestream/running")))
+    except (OSError, UnicodeDecodeError, ValueError):
+        report.running = None  # no marker (or one being rewritten): not running
+
+
 def _numbered(tree: Tree, folder: str, pattern: re.Pattern = _BATCH_FILE) -> list[int]:
     return sorted(int(m.group(1)) for name in tree.names(folder) if (m := pattern.match(name)))
 
@@ -258,6 +281,7 @@ def inspect_checkpoint(
         consumed, in_flight = _read_source_log(root, report)
         _read_state(root, report)
         _read_engine_state(root, report)
+        _read_running(root, report)
     else:
         consumed, in_flight = set(), set()
     if landing is not None:
@@ -442,6 +466,47 @@ def _health(report: CheckpointReport, limits: Thresholds, root: Tree) -> Health:
     return h
 
 
+def _process(report: CheckpointReport) -> str:
+    r = report.running
+    if r is None:
+        return "none running"
+    return f"pid {r.get('pid')} on {r.get('host')}, started {_age(report.inspected_at_ms, r.get('started_ms'))}"
+
+
+def state_of(report: CheckpointReport) -> str:
+    if report.running is not None:
+        return "running"
+    return "stopped" if report.exists else "never run"
+
+
+def status_table(reports: list[CheckpointReport]) -> str:
+    """Every job on one line (``lakestream status``), then what its health says when not healthy."""
+    from .durations import from_epoch_ms, iso_ms
+
+    def watermark(ms: int | None) -> str:
+        if ms is None or ms <= _NEG_INF_MS:
+            return "-"
+        return "+inf" if ms >= _POS_INF_MS else iso_ms(from_epoch_ms(ms))
+
+    rows = [("job", "state", "batch", "last commit", "waiting", "watermark", "health")]
+    for r in reports:
+        rows.append((
+            r.job,
+            state_of(r) + (f" (pid {r.running.get('pid')})" if r.running else ""),
+            "-" if r.last_committed_batch is None else str(r.last_committed_batch),
+            _age(r.inspected_at_ms, r.last_commit_ms) if r.last_commit_ms is not None else "-",
+            f"{r.files_waiting} file(s)",
+            watermark(r.watermark_ms),
+            r.health.status.upper() if r.health.status != "healthy" else "healthy",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    for r in reports:
+        if r.health.status != "healthy":
+            lines += [f"  {r.job}: {m}" for m in r.health.messages]
+    return "\n".join(lines)
+
+
 def describe(report: CheckpointReport) -> str:
     """A human-readable report (the CLI's default output)."""
     from .durations import from_epoch_ms, iso_ms
@@ -462,6 +527,7 @@ def describe(report: CheckpointReport) -> str:
         f"last committed   {'-' if report.last_committed_batch is None else report.last_committed_batch}"
         f" at {when(report.last_commit_ms)}",
         f"in flight        {'-' if report.in_flight_batch is None else f'batch {report.in_flight_batch}'}",
+        f"process          {_process(report)}",
         f"source files     {report.files_consumed} consumed, {report.files_in_flight} in flight, "
         f"{report.files_waiting} waiting ({report.bytes_waiting:,} bytes)",
         f"watermark        {watermark(report.watermark_ms)}",

@@ -201,6 +201,25 @@ def cmd_checkpoint_inspect(args) -> int:
     return 1 if report.health.status == "error" else 0
 
 
+def cmd_status(args) -> int:
+    from .checkpoint import Thresholds, inspect_checkpoint, status_table
+    from .jobs import get_job, registry
+
+    settings = _settings(args)
+    reports = []
+    for name in registry():
+        job = get_job(name, settings)
+        limits = Thresholds(trigger_interval_s=settings.job(name).trigger_interval.total_seconds())
+        reports.append(inspect_checkpoint(name, settings.checkpoint_dir(name),
+                                          [settings.landing_dir(s.name) for s in job.sources], limits,
+                                          storage_options=settings.storage_options))
+    if args.json:
+        print(json.dumps([r.to_dict() for r in reports], indent=1))
+    else:
+        print(status_table(reports))
+    return 1 if any(r.health.status == "error" for r in reports) else 0
+
+
 def _describe_savepoint(sp) -> str:
     m = sp.manifest
     tables = ", ".join(f"{t}@{v if v is not None else 'empty'}" for t, v in m.get("tables", {}).items())
@@ -304,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.add_argument("--stall-factor", type=float, help="stalled after this many trigger intervals without a commit while input waits (default 5)")
     inspect.set_defaults(fn=cmd_checkpoint_inspect)
+
+    status = sub.add_parser("status", help="every job on one line: running or not, last batch, input waiting, "
+                            "watermark, health (read without Spark; exit 1 when a job's health is error)")
+    status.add_argument("--json", action="store_true", help="machine-readable output (the inspect report of each job)")
+    status.set_defaults(fn=cmd_status)
 
     sp = sub.add_parser("savepoint", help="create, list, show and delete savepoints (stop-with-savepoint)")
     sp_sub = sp.add_subparsers(dest="savepoint_command", required=True, parser_class=_Parser)

@@ -20,6 +20,7 @@ from typing import Callable
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
+from .checkpoint import live_marker
 from .declaration import Job, KeyedJob
 from .durations import format_duration, from_epoch_ms, iso_ms
 from .engine import NEG_INF_MS, POS_INF_MS, SOURCE
@@ -54,14 +55,7 @@ class StreamControl:
             info = json.loads(self._fs.read_text(self.running_path))
         except (ValueError, FileNotFoundError):  # cleared meanwhile: the stream has just stopped
             return None
-        if info.get("host") == socket.gethostname():
-            try:
-                os.kill(int(info["pid"]), 0)
-            except (ProcessLookupError, ValueError, KeyError, TypeError):
-                return None
-            except PermissionError:
-                pass
-        return info
+        return live_marker(info)
 
     def request_stop(self) -> None:
         self._fs.write_text(self.stop_path, json.dumps({"requested_ms": int(time.time() * 1000)}))

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -167,14 +168,17 @@ def test_missing_checkpoint_and_deleted_metadata(tmp_path, healthy):
     assert any("metadata is missing" in p for p in inspect_checkpoint(JOB, str(checkpoint)).problems)
 
 
-def test_cli_prints_json_without_starting_spark(healthy):
-    settings, stream, files = healthy
-    home = str(Path(settings.landing).parent)
-    result = subprocess.run(
-        [sys.executable, "-m", "streaming.cli", "--home", home, "checkpoint", "inspect", JOB, "--json"],
+def _cli(settings, *argv):
+    return subprocess.run(
+        [sys.executable, "-m", "streaming.cli", "--home", str(Path(settings.landing).parent), *argv],
         capture_output=True, text=True, timeout=60,
         env={k: v for k, v in os.environ.items() if k != "LAKESTREAM_CONFIG"},
     )
+
+
+def test_cli_prints_json_without_starting_spark(healthy):
+    settings, stream, files = healthy
+    result = _cli(settings, "checkpoint", "inspect", JOB, "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["query_id"] == stream.query_id and data["files_consumed"] == len(files)
@@ -229,3 +233,32 @@ def test_an_object_store_without_its_python_file_system_is_one_clear_problem():
     if importlib.util.find_spec("s3fs") is None:  # the usual case here: the hint names the package to install
         s3 = inspect_checkpoint(JOB, "s3a://bucket/checkpoints/purchase_metrics")
         assert "s3fs" in s3.problems[0] and s3.health.status == "error"
+
+
+def test_status_shows_every_job_and_whether_a_process_runs_it(healthy, tmp_path):
+    settings, stream, files = healthy
+    marker = Path(settings.checkpoint_dir(JOB)) / "lakestream" / "running"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        marker.write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(), "query_id": stream.query_id,
+                                      "started_ms": 0}))
+        alive = _cli(settings, "status", "--json")
+        table = _cli(settings, "status")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    gone = _cli(settings, "status", "--json")  # the marker stays, its process is gone: not running
+    marker.unlink()
+
+    assert alive.returncode == 0, alive.stderr
+    jobs = {r["job"]: r for r in json.loads(alive.stdout)}
+    assert set(jobs) == {"purchase_metrics", "decline_velocity", "user_sessions", "large_amount_alerts",
+                         "rolling_spend", "suspicious_logins"}
+    assert jobs[JOB]["running"]["pid"] == sleeper.pid
+    assert jobs[JOB]["last_committed_batch"] == stream.batches - 1 and jobs[JOB]["files_waiting"] == 0
+    assert jobs["decline_velocity"]["exists"] is False and jobs["decline_velocity"]["files_waiting"] == len(files)
+    assert {r["job"]: r["running"] for r in json.loads(gone.stdout)}[JOB] is None
+    line = next(row for row in table.stdout.splitlines() if row.startswith(JOB))
+    assert f"running (pid {sleeper.pid})" in line and f" {stream.batches - 1} " in line
+    assert "never run" in next(row for row in table.stdout.splitlines() if row.startswith("rolling_spend"))
+    assert "SparkContext" not in table.stderr
