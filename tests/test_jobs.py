@@ -4,7 +4,8 @@ that contains the pattern it detects: as a stream (K files per micro-batch) and 
 
 from __future__ import annotations
 
-from datetime import timedelta
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from batch.backfill import backfill
 from streaming.generator import GeneratorConfig, generate
 from streaming.jobs import get_job
 from streaming.runner import run_stream
+from streaming.tables import job_sinks
 from tests import oracle_jobs as oj
 from tests.conftest import drop_job_tables, settings_for
 from tests.oracle_windows import Win, bounded_windows, replay_windows
@@ -103,24 +105,59 @@ def sessions(events):
             "total": sum((e["amount"] for e in payments), Decimal("0")), "last": max(e["t_ms"] for e in events)}
 
 
-def test_user_sessions_merge_logins_and_payments_with_a_thirty_minute_gap(spark, sparse):
-    job, report = stream(spark, sparse, "user_sessions", k=20)
-    batched = oj.batches(Path(sparse.landing), ["logins", "payments"], 20)
+SESSIONS_SQL = ("SELECT user_id, unix_millis(window_start), unix_millis(window_end), events, logins, payments, "
+                "payments_total, unix_millis(last_event) FROM {table}")
+
+
+def sessions_truth(settings):
+    """(stream oracle, the stream's expected rows, the bounded twin's expected rows) of user_sessions."""
+    batched = oj.batches(Path(settings.landing), ["logins", "payments"], 20)
     truth = replay_windows(batched, Win("session", gap=30 * MIN), delay=DELAY, lateness=10 * MIN,
                            key=lambda e: e["user_id"], measure=sessions)
-    sql = ("SELECT user_id, unix_millis(window_start), unix_millis(window_end), events, logins, payments, "
-           f"payments_total, unix_millis(last_event) FROM {job.sink.name}")
-    expected = {(k[0], k[1], v["window_end"], v["events"], v["logins"], v["payments"], v["total"], v["last"])
-                for k, v in truth.table.items()}
+    want = bounded_windows(oj.dedup([e for b in batched for e in b]), Win("session", gap=30 * MIN),
+                           key=lambda e: e["user_id"], measure=sessions)
+
+    def as_rows(table):
+        return {(k[0], k[1], v["window_end"], v["events"], v["logins"], v["payments"], v["total"], v["last"])
+                for k, v in table.items()}
+
+    return truth, as_rows(truth.table), as_rows(want)
+
+
+def test_user_sessions_merge_logins_and_payments_with_a_thirty_minute_gap(spark, sparse):
+    job, report = stream(spark, sparse, "user_sessions", k=20)
+    truth, expected, bounded_expected = sessions_truth(sparse)
+    sql = SESSIONS_SQL.format(table=job.sink.name)
     assert set(rows(spark, sql)) == expected and len(expected) > 50
     assert late_ids(spark, job) == sorted(i for i, *_ in truth.late)
     assert report.stats.rows_written == truth.writes and report.stats.rows_deleted == truth.deletes
 
     bounded(spark, sparse, job)
-    events = oj.dedup([e for b in batched for e in b])
-    want = bounded_windows(events, Win("session", gap=30 * MIN), key=lambda e: e["user_id"], measure=sessions)
-    assert set(rows(spark, sql)) == {(k[0], k[1], v["window_end"], v["events"], v["logins"], v["payments"], v["total"],
-                                      v["last"]) for k, v in want.items()}
+    assert set(rows(spark, sql)) == bounded_expected
+
+
+def test_user_sessions_on_delta_day_partitioned_tables_equal_the_same_oracle(spark, sparse, tmp_path):
+    """Merged sessions are deletes plus upserts: the same job on Delta (delta-rs merges into tables
+    partitioned by a generated day column), stream and bounded twin, against the same oracle."""
+    settings = replace(sparse, format="delta", checkpoints=str(tmp_path / "checkpoints"),
+                       delta_root=str(tmp_path / "delta"))
+    job, report = stream(spark, settings, "user_sessions", k=20)
+    truth, expected, bounded_expected = sessions_truth(settings)
+    sinks = job_sinks(spark, settings, job, create=False)
+
+    def table_rows():
+        sinks.main.read().createOrReplaceTempView("delta_user_sessions")
+        return set(rows(spark, SESSIONS_SQL.format(table="delta_user_sessions")))
+
+    assert table_rows() == expected and len(expected) > 50
+    assert sorted(r.event_id for r in sinks.late.read().collect()) == sorted(i for i, *_ in truth.late)
+    assert (report.stats.rows_written, report.stats.rows_deleted) == (truth.writes, truth.deletes)
+    days = {datetime.fromtimestamp(r[1] / 1000, tz=timezone.utc).date().isoformat() for r in expected}
+    folders = {p.name for p in Path(sinks.main.location()).iterdir() if p.name.startswith("window_start_day=")}
+    assert {f.split("=", 1)[1] for f in folders} == days  # one partition per day of window start
+
+    bounded(spark, settings, job)
+    assert table_rows() == bounded_expected
 
 
 # -- keyed jobs ---------------------------------------------------------------------------

@@ -10,9 +10,12 @@ skipped.
 ``DeltaSparkSink`` writes the same tables through Spark's native Delta source (``txnAppId`` /
 ``txnVersion``) when delta-spark's jars are on the classpath and ``delta.engine: spark`` is set.
 
-Delta tables live under ``delta_root`` as ``<namespace>/<table>`` and are not partitioned
-(delta-rs cannot derive a day partition from a timestamp); range replacement is a predicate
-overwrite, atomic like every Delta commit.
+Delta tables live under ``delta_root`` as ``<namespace>/<table>``, partitioned by day like their
+Iceberg twins. Delta has no hidden partitioning, so a table whose partition column is a timestamp
+gets a generated column ``<column>_day = CAST(<column> AS DATE)`` (Delta's generated columns,
+filled in by delta-rs and delta-spark alike; writers never supply it, ``read`` leaves it out). Range
+replacement is a predicate overwrite, atomic like every Delta commit, and touches only the files
+of the days it covers.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
 from ..declaration import Table
 from .base import OP, WATERMARK_KEY, Commit, with_retries
+
+
+GENERATED = "delta.generationExpression"  # field metadata key of Delta's generated columns
 
 
 def _iso(ms: int) -> str:
@@ -68,9 +74,19 @@ class DeltaRsSink:
                upserts: bool = False) -> None:
         from deltalake import DeltaTable
 
-        if not self.exists():
-            DeltaTable.create(self.uri, schema=to_arrow_schema(schema), mode="ignore", name=self.table.short,
-                              description=comment or None, storage_options=self.options)
+        if self.exists():
+            return
+        arrow = to_arrow_schema(schema)
+        partition_by = None
+        if partition_column is not None:
+            if isinstance(schema[partition_column].dataType, T.DateType):
+                partition_by = [partition_column]
+            else:
+                day = f"{partition_column}_day"
+                arrow = arrow.append(pa.field(day, pa.date32(), metadata={GENERATED: f"CAST({partition_column} AS DATE)"}))
+                partition_by = [day]
+        DeltaTable.create(self.uri, schema=arrow, mode="ignore", name=self.table.short, partition_by=partition_by,
+                          description=comment or None, storage_options=self.options)
 
     def _properties(self, commit: Commit | None, properties: Mapping[str, str] | None = None):
         from deltalake import CommitProperties, Transaction
@@ -157,7 +173,8 @@ class DeltaRsSink:
 
     def read(self) -> DataFrame:
         table = self._dt()
-        schema = from_arrow_schema(pa.schema(table.schema().to_arrow()))  # delta-rs hands out arro3 schemas
+        arrow = pa.schema(table.schema().to_arrow())  # delta-rs hands out arro3 schemas
+        schema = from_arrow_schema(pa.schema([f for f in arrow if GENERATED.encode() not in (f.metadata or {})]))
         files = table.file_uris()
         if not files:
             return self.spark.createDataFrame([], schema)
