@@ -69,7 +69,7 @@ def run_demo(settings: Settings, cfg: GeneratorConfig) -> int:
     print(f"  tables    : {job.sink.name}, {job.late_sink.name}, {quarantine.table.name}, lake.ops.reconciliation")
     where = settings.warehouse if settings.format_of(job.name) == "iceberg" else settings.delta_root
     print(f"              {settings.format_of(job.name).capitalize()} tables under {where}")
-    print(f"  checkpoint: {settings.checkpoint_dir(job.name)}  (lakestream checkpoint inspect {job.name})")
+    print(f"  checkpoint: {settings.checkpoint_dir(job.name)}  (lakestream checkpoint inspect {job.name}; every job: lakestream status)")
     print("  next      : lakestream backfill purchase_metrics --start 2026-11-20 --end 2026-11-21 --force  "
           "(replace the hour with the bounded result)")
     print("  Dagster UI: make ui  (then open http://127.0.0.1:3000)")
