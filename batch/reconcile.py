@@ -162,11 +162,10 @@ def record_results(spark, settings: Settings, report: ReconcileReport) -> None:
 
 def unread_files(settings: Settings, job: Job) -> list[str]:
     """Landing files the stream has not read yet (from its checkpoint's source log)."""
-    from streaming.checkpoint import inspect_checkpoint, landing_files
+    from streaming.checkpoint import inspect_job, landing_files
 
     folders = [settings.landing_dir(s.name) for s in job.sources]
-    report = inspect_checkpoint(job.name, settings.checkpoint_dir(job.name), folders,
-                                storage_options=settings.storage_options)
+    report = inspect_job(settings, job)
     if not report.files_waiting and not report.files_in_flight:
         return []
     consumed = set(report.consumed_files)

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 
-from streaming.checkpoint import Thresholds, inspect_checkpoint
+from streaming.checkpoint import inspect_job
 from streaming.declaration import Job, Source
 from streaming.jobs import get_job
 from streaming.settings import Settings
@@ -32,10 +32,7 @@ STALE_AFTER = timedelta(hours=1)
 
 def health_evaluation(job: Job, settings: Settings, now_ms: int | None = None) -> dg.AssetCheckEvaluation:
     """``checkpoint_health`` of a job, from its checkpoint (pure Python, no Spark)."""
-    limits = Thresholds(trigger_interval_s=settings.job(job.name).trigger_interval.total_seconds())
-    report = inspect_checkpoint(job.name, settings.checkpoint_dir(job.name),
-                                [settings.landing_dir(s.name) for s in job.sources], limits, now_ms=now_ms,
-                                storage_options=settings.storage_options)
+    report = inspect_job(settings, job, now_ms=now_ms)
     h = report.health
     return dg.AssetCheckEvaluation(
         asset_key=table_key(job.sink), check_name="checkpoint_health", passed=h.status == "healthy",
@@ -96,9 +93,7 @@ def job_checks(job: Job, partitions_def) -> list[dg.AssetChecksDefinition]:
                     "input waits for it.")
     def freshness(lakestream: LakestreamResource) -> dg.AssetCheckResult:
         settings = lakestream.settings()
-        report = inspect_checkpoint(job.name, settings.checkpoint_dir(job.name),
-                                    [settings.landing_dir(s.name) for s in job.sources],
-                                    storage_options=settings.storage_options)
+        report = inspect_job(settings, job)
         age_s = (time.time() * 1000 - report.last_commit_ms) / 1000 if report.last_commit_ms else None
         stale = report.files_waiting > 0 and (age_s is None or age_s > STALE_AFTER.total_seconds())
         return dg.AssetCheckResult(passed=not stale, severity=dg.AssetCheckSeverity.WARN,

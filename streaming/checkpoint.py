@@ -23,11 +23,15 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 from urllib.parse import unquote, urlparse
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+if TYPE_CHECKING:
+    from .declaration import Job
+    from .settings import Settings
 
 _BATCH_FILE = re.compile(r"^(\d+)$")
 _SOURCE_LOG = re.compile(r"^(\d+)(\.compact)?$")
@@ -106,7 +110,6 @@ class Tree:
     ``hdfs://`` (pyarrow), ``memory://`` (tests). Paths below the root are joined with ``/``."""
 
     def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None):
-        self.uri = uri
         try:
             self.fs, self.root = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
         except (ImportError, ValueError) as exc:
@@ -303,6 +306,20 @@ def inspect_checkpoint(
         report.oldest_waiting_ms = min((mtime for _, mtime in waiting.values()), default=None)
     report.health = _health(report, limits, root)
     return report
+
+
+def job_thresholds(settings: Settings, job: Job) -> Thresholds:
+    return Thresholds(trigger_interval_s=settings.job(job.name).trigger_interval.total_seconds())
+
+
+def inspect_job(settings: Settings, job: Job, thresholds: Thresholds | None = None,
+                now_ms: int | None = None) -> CheckpointReport:
+    """``inspect_checkpoint`` of a declared job: its checkpoint, the landing folders of its sources,
+    the settings' storage options, and thresholds from its trigger interval unless given."""
+    return inspect_checkpoint(job.name, settings.checkpoint_dir(job.name),
+                              [settings.landing_dir(s.name) for s in job.sources],
+                              thresholds or job_thresholds(settings, job), now_ms,
+                              settings.storage_options)
 
 
 def _read_metadata(root: Tree, report: CheckpointReport) -> None:

@@ -183,36 +183,27 @@ def cmd_reconcile(args) -> int:
 
 
 def cmd_checkpoint_inspect(args) -> int:
-    from .checkpoint import Thresholds, describe, inspect_checkpoint
+    from .checkpoint import describe, inspect_job, job_thresholds
     from .jobs import get_job
 
     settings = _settings(args)
     job = get_job(args.job, settings)
-    limits = Thresholds(trigger_interval_s=settings.job(job.name).trigger_interval.total_seconds())
+    limits = job_thresholds(settings, job)
     if args.stall_factor is not None:
         if args.stall_factor <= 0:
             raise LakestreamError(f"--stall-factor must be positive, got {args.stall_factor}")
         limits.stall_factor = args.stall_factor
-    report = inspect_checkpoint(
-        job.name, settings.checkpoint_dir(job.name), [settings.landing_dir(s.name) for s in job.sources], limits,
-        storage_options=settings.storage_options,
-    )
+    report = inspect_job(settings, job, limits)
     print(report.to_json() if args.json else describe(report))
     return 1 if report.health.status == "error" else 0
 
 
 def cmd_status(args) -> int:
-    from .checkpoint import Thresholds, inspect_checkpoint, status_table
+    from .checkpoint import inspect_job, status_table
     from .jobs import get_job, registry
 
     settings = _settings(args)
-    reports = []
-    for name in registry():
-        job = get_job(name, settings)
-        limits = Thresholds(trigger_interval_s=settings.job(name).trigger_interval.total_seconds())
-        reports.append(inspect_checkpoint(name, settings.checkpoint_dir(name),
-                                          [settings.landing_dir(s.name) for s in job.sources], limits,
-                                          storage_options=settings.storage_options))
+    reports = [inspect_job(settings, get_job(name, settings)) for name in registry()]
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=1))
     else:

@@ -49,11 +49,9 @@ class StreamControl:
 
     def running(self) -> dict | None:
         """The running marker, or None. A marker left by a dead process on this host is ignored."""
-        if not self._fs.exists(self.running_path):
-            return None
         try:
             info = json.loads(self._fs.read_text(self.running_path))
-        except (ValueError, FileNotFoundError):  # cleared meanwhile: the stream has just stopped
+        except (ValueError, FileNotFoundError):  # none, or cleared meanwhile: the stream has just stopped
             return None
         return live_marker(info)
 
