@@ -101,7 +101,10 @@ def _job(args, settings):
     overrides = {}
     if getattr(args, "trigger_interval", None):
         overrides["trigger_interval"] = parse_duration(args.trigger_interval, field="--trigger-interval")
-    if getattr(args, "max_files_per_trigger", None):
+    if getattr(args, "max_files_per_trigger", None) is not None:
+        if args.max_files_per_trigger < 1:
+            raise ConfigError(f"--max-files-per-trigger must be at least 1, got {args.max_files_per_trigger}; "
+                              "leave it out to read every waiting file in one micro-batch")
         overrides["max_files_per_trigger"] = args.max_files_per_trigger
     if overrides:
         settings = settings.with_job(args.job, **overrides)

@@ -98,7 +98,7 @@ def raw_stream(spark, settings: Settings, job: Job) -> DataFrame:
             else:
                 raise ConfigError(f"landing folder {landing} does not exist; create it or fix 'landing' in the settings")
         reader = spark.readStream.format("text")
-        if overrides.max_files_per_trigger:
+        if overrides.max_files_per_trigger is not None:
             reader = reader.option("maxFilesPerTrigger", overrides.max_files_per_trigger)
         frames.append(reader.load(landing).select(
             "value", F.col("_metadata.file_path").alias("source_file"), F.lit(source.name).alias(SOURCE)

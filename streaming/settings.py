@@ -233,12 +233,20 @@ def _job_overrides(name: str, raw: Any) -> JobOverrides:
     values: dict[str, Any] = {}
     for key in ("out_of_orderness", "allowed_lateness", "dedup_ttl", "trigger_interval"):
         if key in raw:
+            # A value is always taken as given, zero included (`out_of_orderness: 0s` is a real choice):
+            # nothing below may test an override for truth.
             values[key] = parse_duration(raw[key], field=f"jobs.{name}.{key}")
+    if "dedup_ttl" in values and values["dedup_ttl"] <= timedelta(0):
+        raise ConfigError(f"jobs.{name}.dedup_ttl must be positive (how long an event id is remembered), got "
+                          f"{raw['dedup_ttl']!r}; e.g. 30m")
     if "format" in raw:
         values["format"] = _format(raw["format"], f"jobs.{name}.format")
     if "max_files_per_trigger" in raw:
-        try:
-            values["max_files_per_trigger"] = int(raw["max_files_per_trigger"])
-        except (TypeError, ValueError):
-            raise ConfigError(f"jobs.{name}.max_files_per_trigger must be a whole number") from None
+        value = raw["max_files_per_trigger"]
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"jobs.{name}.max_files_per_trigger must be a whole number of at least 1, got {value!r}; "
+                              "leave it out to read every waiting file in one micro-batch")
+        values["max_files_per_trigger"] = value
     return JobOverrides(**values)

@@ -123,3 +123,31 @@ def test_keyed_jobs_refuse_allowed_lateness_and_unknown_time_columns():
         replace(job, watermark=Watermark(timedelta(seconds=5), allowed_lateness=timedelta(minutes=1)))
     with pytest.raises(DeclarationError, match="time_column 'when' is not an output column"):
         replace(job, time_column="when")
+
+
+def test_an_override_of_zero_is_honoured_not_replaced_by_the_declared_default(tmp_path):
+    (tmp_path / "lakestream.yaml").write_text(
+        "jobs: {purchase_metrics: {out_of_orderness: 0s, allowed_lateness: 0s, trigger_interval: 0s},\n"
+        "       decline_velocity: {allowed_lateness: 0s}}\n"
+    )
+    s = Settings.load({"LAKESTREAM_HOME": str(tmp_path)})
+    assert get_job("purchase_metrics").watermark.out_of_orderness == timedelta(seconds=5)  # the declaration
+    job = get_job("purchase_metrics", s)
+    assert job.watermark.out_of_orderness == timedelta(0)
+    assert s.job("purchase_metrics").trigger_interval == timedelta(0)
+    assert get_job("decline_velocity", s).watermark.allowed_lateness == timedelta(0)
+
+
+@pytest.mark.parametrize(
+    "text, phrase",
+    [
+        ("jobs: {purchase_metrics: {dedup_ttl: 0s}}\n", "jobs.purchase_metrics.dedup_ttl must be positive"),
+        ("jobs: {purchase_metrics: {max_files_per_trigger: 0}}\n", "max_files_per_trigger must be a whole number of at least 1"),
+        ("jobs: {purchase_metrics: {max_files_per_trigger: many}}\n", "max_files_per_trigger must be a whole number"),
+    ],
+)
+def test_a_zero_that_cannot_work_is_refused_with_the_key_named(tmp_path, text, phrase):
+    (tmp_path / "lakestream.yaml").write_text(text)
+    with pytest.raises(ConfigError) as info:
+        Settings.load({"LAKESTREAM_HOME": str(tmp_path)})
+    assert phrase in str(info.value)

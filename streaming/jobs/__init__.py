@@ -34,10 +34,11 @@ def get_job(name: str, settings: Settings | None = None) -> Job:
     if settings is None:
         return job
     overrides = settings.job(name)
+    def given(value, default):  # an override of zero is an override: never `value or default`
+        return default if value is None else value
+
     watermark = Watermark(
-        out_of_orderness=overrides.out_of_orderness or job.watermark.out_of_orderness,
-        allowed_lateness=overrides.allowed_lateness
-        if overrides.allowed_lateness is not None
-        else job.watermark.allowed_lateness,
+        out_of_orderness=given(overrides.out_of_orderness, job.watermark.out_of_orderness),
+        allowed_lateness=given(overrides.allowed_lateness, job.watermark.allowed_lateness),
     )
-    return replace(job, watermark=watermark, dedup_ttl=overrides.dedup_ttl or job.dedup_ttl)
+    return replace(job, watermark=watermark, dedup_ttl=given(overrides.dedup_ttl, job.dedup_ttl))
