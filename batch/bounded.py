@@ -62,6 +62,9 @@ class Bounded:
 
 
 def compute(spark, settings: Settings, job: Job, lo: int, hi: int, say=lambda _m: None) -> Bounded:
+    from streaming.tables import check_job
+
+    check_job(spark, job)
     started = time.monotonic()
     raw = read_landing(spark, settings, job)
     if isinstance(job, KeyedJob):

@@ -82,7 +82,7 @@ def _agg_expr(kind: str, column: str) -> Column:
     return {"sum": F.sum, "min": F.min, "max": F.max}[kind](column)
 
 
-def _agg_type(agg: Agg, schema: T.StructType) -> T.DataType:
+def aggregate_type(agg: Agg, schema: T.StructType) -> T.DataType:
     """The fixed type of an aggregate, so state and sink keep one schema across batches."""
     if agg.kind == "count":
         return T.LongType()
@@ -192,7 +192,7 @@ class BatchPlan:
         """One row per on-time (event, window): keys, window and each aggregate's input value (typed)."""
         job = self.job
         windowed = self.windowed().where(~F.col("_late"))
-        types = {a.name: _agg_type(a, windowed.schema) for a in job.aggregates}
+        types = {a.name: aggregate_type(a, windowed.schema) for a in job.aggregates}
         values = [
             (F.lit(1) if a.kind == "count" and a.column == "*" else F.col(a.column)).cast(types[a.name]).alias(a.name)
             for a in job.aggregates

@@ -49,7 +49,23 @@ def late_time_column(job: Job) -> str:
     return job.source.event_time if isinstance(job, KeyedJob) else "window_start"
 
 
+def empty_events(spark, job: Job):
+    """The typed events of the job's sources (every field, ``source``), empty: for analysis only."""
+    from .engine import parse_sources
+
+    parsed = parse_sources(job, spark.createDataFrame([], RAW_SCHEMA))
+    return parsed.where(parsed["_reason"].isNull()).drop("_raw", "_reason")
+
+
+def check_job(spark, job: Job) -> None:
+    """Refuse a declaration Spark cannot run, with one line, before anything starts (see ``validation``)."""
+    from .validation import validate
+
+    validate(spark, job, empty_events(spark, job))
+
+
 def _schemas(spark, job: Job) -> tuple[T.StructType, T.StructType]:
+    check_job(spark, job)
     if isinstance(job, KeyedJob):
         from .keyed.spark import schemas
 
