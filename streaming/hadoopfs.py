@@ -69,3 +69,9 @@ class HadoopFS:
 
     def mkdirs(self, path: str) -> None:
         self._fs(path).mkdirs(self._path(path))
+
+    def rename(self, source: str, target: str) -> None:
+        """Move ``source`` to ``target`` (a folder rename is atomic on HDFS and local disks)."""
+        fs = self._fs(source)
+        if not fs.rename(self._path(source), self._path(target)):
+            raise OSError(f"could not rename {source} to {target}")

@@ -204,7 +204,36 @@ class Savepoints:
 
     # -- restore -------------------------------------------------------------------------
     def restore(self, job: Job, savepoint_id: str) -> Savepoint:
-        """Make the job's checkpoint and tables what they were at the savepoint (the stream must be stopped)."""
+        """Make the job's checkpoint and tables what they were at the savepoint (the stream must be stopped).
+
+        Every check that can refuse the restore runs before anything is changed, so a refused restore
+        leaves checkpoint and tables exactly as they were. Then the tables are rolled back (each
+        rollback is atomic and idempotent) and the savepoint's checkpoint, copied beside the job's,
+        replaces it. An interrupted restore is finished by running it again.
+        """
+        savepoint, checkpoint, rollbacks = self._restore_plan(job, savepoint_id)
+        # 1. the copy, beside the checkpoint (nothing of the job changes yet)
+        staged = f"{checkpoint}.restoring"
+        self.fs.delete(staged)
+        self.say(f"restoring checkpoint {checkpoint} from {savepoint.checkpoint}")
+        self._copy(savepoint.checkpoint, staged)
+        # A new commit-id epoch: batches re-run from here must not match the commits rolled back below.
+        restored_at = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+        self.fs.write_text(f"{staged}/lakestream/epoch", f"restored-{savepoint_id}-{restored_at}")
+        # 2. the tables
+        for sink, version in rollbacks:
+            if version is None:
+                self.say(f"  {sink.table.name}: empty at the savepoint -> deleting all rows")
+            elif sink.version() != version:
+                self.say(f"  {sink.table.name}: rolling back to version {version}")
+            sink.rollback(version)
+        # 3. the checkpoint
+        self.fs.delete(checkpoint)
+        self.fs.rename(staged, checkpoint)
+        return savepoint
+
+    def _restore_plan(self, job: Job, savepoint_id: str):
+        """(savepoint, checkpoint, [(sink, version)]), or the reason the restore is refused."""
         savepoint = self.get(savepoint_id)
         if savepoint.job != job.name:
             raise SavepointError(f"savepoint {savepoint_id} belongs to job {savepoint.job}, not {job.name}")
@@ -214,31 +243,35 @@ class Savepoints:
         changes = differences(manifest.get("state", {}).get("shape"), manifest.get("shuffle_partitions"), job, partitions)
         if changes:
             raise refuse(job, f"savepoint {savepoint_id}", changes, checkpoint)
-        running = StreamControl(self.spark, checkpoint).running()
-        if running is not None:
-            raise SavepointError(
-                f"{job.name} is running (pid {running.get('pid')} on {running.get('host')}); stop it first, e.g. "
-                f"`lakestream savepoint create {job.name}`"
-            )
-        self.say(f"restoring checkpoint {checkpoint} from {savepoint.checkpoint}")
-        self.fs.delete(checkpoint)
-        self._copy(savepoint.checkpoint, checkpoint)
-        # A new commit-id epoch: batches re-run from here must not match the commits rolled back below.
-        restored_at = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-        self.fs.write_text(f"{checkpoint}/lakestream/epoch", f"restored-{savepoint_id}-{restored_at}")
         fmt = manifest.get("format", "iceberg")
         if fmt != self.settings.format_of(job.name):
             raise SavepointError(
                 f"savepoint {savepoint_id} recorded {fmt} tables but {job.name} is configured for "
                 f"{self.settings.format_of(job.name)}; set the job's format back to {fmt} to restore it"
             )
+        running = StreamControl(self.spark, checkpoint).running()
+        if running is not None:
+            raise SavepointError(
+                f"{job.name} is running (pid {running.get('pid')} on {running.get('host')}); stop it first, e.g. "
+                f"`lakestream savepoint create {job.name}`"
+            )
+        if not self.fs.exists(f"{savepoint.checkpoint}/metadata"):
+            raise SavepointError(f"savepoint {savepoint_id} has no checkpoint copy at {savepoint.checkpoint} "
+                                 "(incomplete or damaged); choose another one (`lakestream savepoint list`)")
+        rollbacks = []
         for name, version in manifest.get("tables", {}).items():
             sink = sink_for(self.spark, self.settings, Table(name), job.name)
             if not sink.exists():
+                if version is not None:
+                    raise SavepointError(
+                        f"savepoint {savepoint_id} needs {name} at version {version}, but the table no longer exists; "
+                        "the restore would lose its rows: restore the table first, or start over from an empty checkpoint"
+                    )
                 continue
-            if version is None:
-                self.say(f"  {name}: empty at the savepoint -> deleting all rows")
-            elif sink.version() != version:
-                self.say(f"  {name}: rolling back to version {version}")
-            sink.rollback(version)
-        return savepoint
+            if version is not None and not sink.has_version(version):
+                raise SavepointError(
+                    f"{name} no longer has version {version}, which savepoint {savepoint_id} recorded (its snapshots "
+                    "were expired or vacuumed); choose a newer savepoint, and keep snapshots newer than the oldest one"
+                )
+            rollbacks.append((sink, version))
+        return savepoint, checkpoint, rollbacks

@@ -158,3 +158,58 @@ def test_list_show_delete_and_retention(spark, small_landing):
     assert [s.id for s in savepoints.list(JOB)] == [made[2]]
     with pytest.raises(SavepointError, match="no savepoint"):
         savepoints.get(made[1])
+
+
+def _fingerprint(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` (relative path -> content hash)."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _ran_past_a_savepoint(spark, settings, tmp_path):
+    landing, files = _staged(settings, tmp_path)
+    _arrive(files[: 2 * K], landing)
+    _run(spark, settings)
+    sp = Savepoints(spark, settings, progress=None).create(get_job(JOB, settings))
+    _arrive(files[2 * K :], landing)
+    _run(spark, settings)  # the job runs on past the savepoint
+    versions = {t.name: sink_for(spark, settings, t, JOB).version() for t in all_tables(get_job(JOB))}
+    return landing, sp, versions
+
+
+def _assert_untouched(spark, settings, landing, before: dict, versions: dict) -> None:
+    assert _fingerprint(Path(settings.checkpoint_dir(JOB))) == before, "the checkpoint changed"
+    assert {t.name: sink_for(spark, settings, t, JOB).version() for t in all_tables(get_job(JOB))} == versions
+    again = _run(spark, settings)  # a plain run afterwards re-appends nothing
+    assert again.batches == 0
+    all_files = oracle.files_in_arrival_order(landing)
+    truth = oracle.replay_stream([[line for p in all_files[i:i + K] for line in oracle.read_lines(p)]
+                                  for i in range(0, len(all_files), K)])
+    assert table_windows(spark) == truth.closed
+
+
+def test_a_restore_refused_for_a_mismatched_format_changes_neither_checkpoint_nor_tables(spark, lake, tmp_path):
+    settings = lake.with_job(JOB, max_files_per_trigger=K)
+    landing, sp, versions = _ran_past_a_savepoint(spark, settings, tmp_path)
+    before = _fingerprint(Path(settings.checkpoint_dir(JOB)))
+
+    mismatched = replace(settings, format="delta")
+    with pytest.raises(SavepointError, match="recorded iceberg tables but purchase_metrics is configured for delta"):
+        Savepoints(spark, mismatched, progress=None).restore(get_job(JOB, mismatched), sp.id)
+
+    _assert_untouched(spark, settings, landing, before, versions)
+
+
+def test_a_restore_refused_for_an_expired_snapshot_changes_neither_checkpoint_nor_tables(spark, lake, tmp_path):
+    settings = lake.with_job(JOB, max_files_per_trigger=K)
+    landing, sp, versions = _ran_past_a_savepoint(spark, settings, tmp_path)
+    spark.sql("CALL lake.system.expire_snapshots(table => 'payments.purchase_metrics', "
+              "older_than => TIMESTAMP '2999-01-01 00:00:00', retain_last => 1)")
+    before = _fingerprint(Path(settings.checkpoint_dir(JOB)))
+
+    with pytest.raises(SavepointError, match="no longer has version"):
+        Savepoints(spark, settings, progress=None).restore(get_job(JOB, settings), sp.id)
+
+    _assert_untouched(spark, settings, landing, before, versions)

@@ -162,6 +162,18 @@ class DeltaRsSink:
     def version(self) -> int | None:
         return self._dt().version() if self.exists() else None
 
+    def has_version(self, version: int) -> bool:
+        """Whether version ``version`` can still be loaded (its log and files not cleaned up)."""
+        from deltalake import DeltaTable
+
+        if not self.exists():
+            return False
+        try:
+            DeltaTable(self.uri, version=int(version), storage_options=self.options)
+        except Exception:  # noqa: BLE001 - delta-rs raises several kinds for a version it cannot load
+            return False
+        return True
+
     def rollback(self, version: int | None) -> None:
         if not self.exists():
             return

@@ -169,6 +169,12 @@ class IcebergSink:
         rows = self.spark.sql(f"SELECT snapshot_id FROM {self.table.name}.refs WHERE name = 'main'").collect()
         return int(rows[0].snapshot_id) if rows else None
 
+    def has_version(self, version: int) -> bool:
+        """Whether the table still holds snapshot ``version`` (not expired), so it can be restored."""
+        if not self.exists():
+            return False
+        return bool(self.spark.sql(f"SELECT 1 FROM {self.table.name}.snapshots WHERE snapshot_id = {int(version)}").collect())
+
     def rollback(self, version: int | None) -> None:
         if not self.exists():
             return
