@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 
-from streaming.checkpoint import inspect_job
+from streaming.checkpoint import CheckpointReport, inspect_checkpoint, inspect_job
 from streaming.declaration import Job, Source
 from streaming.jobs import get_job
 from streaming.settings import Settings
@@ -30,9 +30,10 @@ QUARANTINE_SHARE_MAX = 0.02  # quarantined lines / lines
 STALE_AFTER = timedelta(hours=1)
 
 
-def health_evaluation(job: Job, settings: Settings, now_ms: int | None = None) -> dg.AssetCheckEvaluation:
-    """``checkpoint_health`` of a job, from its checkpoint (pure Python, no Spark)."""
-    report = inspect_job(settings, job, now_ms=now_ms)
+def health_evaluation(job: Job, settings: Settings, now_ms: int | None = None,
+                      report: CheckpointReport | None = None) -> dg.AssetCheckEvaluation:
+    """``checkpoint_health`` of a job, from its checkpoint (pure Python through fsspec, no Spark)."""
+    report = report or inspect_job(settings, job, now_ms=now_ms)
     h = report.health
     return dg.AssetCheckEvaluation(
         asset_key=table_key(job.sink), check_name="checkpoint_health", passed=h.status == "healthy",
@@ -46,19 +47,10 @@ def health_evaluation(job: Job, settings: Settings, now_ms: int | None = None) -
     )
 
 
-def _totals(settings: Settings, job: Job):
-    """Cumulative statistics of the job's stream (pure Python read of its newest batch record)."""
-    import json
-    from pathlib import Path
-
-    folder = Path(settings.checkpoint_dir(job.name)) / "lakestream" / "batches"
-    records = sorted((int(p.stem), p) for p in folder.glob("*.json")) if folder.is_dir() else []
-    if not records:
-        return None
-    try:
-        return json.loads(records[-1][1].read_text())["totals"]
-    except (OSError, ValueError, KeyError):
-        return None
+def _totals(settings: Settings, job: Job) -> dict | None:
+    """Cumulative statistics of the job's stream, from its checkpoint wherever it lives (fsspec)."""
+    return inspect_checkpoint(job.name, settings.checkpoint_dir(job.name),
+                              storage_options=settings.storage_options).totals
 
 
 def job_checks(job: Job, partitions_def) -> list[dg.AssetChecksDefinition]:

@@ -15,10 +15,10 @@
 
 import json
 import time
-from pathlib import Path
 
 import dagster as dg
 
+from streaming.checkpoint import inspect_job
 from streaming.declaration import Job
 
 from .checks import health_evaluation
@@ -42,9 +42,10 @@ def health_sensor(jobs: list[Job]) -> dg.SensorDefinition:
         now = time.time()
         reported = []
         for job in jobs:
-            if not (Path(settings.checkpoint_dir(job.name)) / "metadata").exists():
+            report = inspect_job(settings, job)  # through fsspec: local disk and object stores alike
+            if not report.exists:
                 continue
-            evaluation = health_evaluation(job, settings)
+            evaluation = health_evaluation(job, settings, report=report)
             status = evaluation.metadata["status"].value
             last = cursor.get(job.name)
             if last is None or last[0] != status or now - last[1] > REPORT_EVERY_S:

@@ -7,7 +7,6 @@ read in plain Python when the definitions load: no SparkSession in the code serv
 
 import json
 from datetime import date, datetime, timedelta, timezone
-from pathlib import Path
 
 import dagster as dg
 
@@ -49,25 +48,29 @@ def day_keys(first_ms: int | None, last_ms: int | None, partitions_def: dg.Daily
 
 
 def columns(settings: Settings, table: Table, fmt: str) -> dg.TableSchema | None:
-    """The table's columns from its metadata files (local Iceberg hadoop catalog or Delta), or None."""
+    """The table's columns from its metadata files (Iceberg hadoop catalog or Delta log, on local disk or
+    an object store through fsspec), or None."""
+    from streaming.checkpoint import Tree
+
+    name = table.name.split(".")[2]
     try:
         if fmt == "delta":
-            folder = Path(settings.delta_root) / table.domain / table.name.split(".")[2] / "_delta_log"
-            for log in sorted(folder.glob("*.json"), reverse=True):
-                for line in log.read_text().splitlines():
+            log = Tree(f"{settings.delta_root.rstrip('/')}/{table.domain}/{name}/_delta_log", settings.storage_options)
+            for entry in sorted((n for n in log.names() if n.endswith(".json")), reverse=True):
+                for line in log.read_text(entry).splitlines():
                     meta = json.loads(line).get("metaData")
                     if meta:
                         fields = json.loads(meta["schemaString"])["fields"]
                         return dg.TableSchema(columns=[dg.TableColumn(f["name"], _type(f["type"])) for f in fields])
             return None
-        folder = Path(settings.iceberg.warehouse or settings.warehouse) / table.domain / table.name.split(".")[2] / "metadata"
-        hint = folder / "version-hint.text"
-        if not hint.exists():
+        warehouse = (settings.iceberg.warehouse or settings.warehouse).rstrip("/")
+        meta_dir = Tree(f"{warehouse}/{table.domain}/{name}/metadata", settings.storage_options)
+        if not meta_dir.exists("version-hint.text"):
             return None
-        meta = json.loads((folder / f"v{hint.read_text().strip()}.metadata.json").read_text())
+        meta = json.loads(meta_dir.read_text(f"v{meta_dir.read_text('version-hint.text').strip()}.metadata.json"))
         current = next(s for s in meta["schemas"] if s["schema-id"] == meta["current-schema-id"])
         return dg.TableSchema(columns=[dg.TableColumn(f["name"], _type(f["type"])) for f in current["fields"]])
-    except (OSError, ValueError, KeyError, StopIteration):
+    except (OSError, ValueError, KeyError, StopIteration, UnicodeDecodeError):
         return None
 
 

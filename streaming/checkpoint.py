@@ -91,6 +91,7 @@ class CheckpointReport:
     state_operators: list[StateOperator] = field(default_factory=list)
     state_bytes: int = 0  # Spark state stores + the engine's state, on disk
     engine_state_bytes: dict[int, int] = field(default_factory=dict)  # batch id -> bytes
+    totals: dict | None = None  # the stream's cumulative statistics after the last committed batch (lines, late...)
     running: dict | None = None  # the marker of the process running the stream (pid, host, query id, start)
     problems: list[str] = field(default_factory=list)
     health: Health = field(default_factory=Health)
@@ -431,6 +432,7 @@ def _read_engine_state(root: Tree, report: CheckpointReport) -> None:
     try:
         record = json.loads(root.read_text(rel))
         report.watermark_ms = int(record["stats"]["watermark_out_ms"])
+        report.totals = record.get("totals")
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         report.problems.append(f"{rel} is corrupt: no watermark")
 

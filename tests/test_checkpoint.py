@@ -190,22 +190,16 @@ def test_a_checkpoint_and_landing_zone_on_an_object_store_are_read_alike_without
     zone are uploaded as a cluster job would have written them, and read through the object-store path."""
     import fsspec
 
+    from tests.objectstore import upload
+
     settings, stream, files = healthy
     local = _inspect(settings)
     fs = fsspec.filesystem("memory")
-    bucket = f"/bucket-{os.getpid()}-{id(fs)}"
-    landing = Path(settings.landing_dir("payments")).resolve()
-    remote_landing = f"memory://{bucket}/landing/payments"
-    for path in landing.iterdir():
-        fs.pipe(f"{bucket}/landing/payments/{path.name}", path.read_bytes())
-    checkpoint = Path(settings.checkpoint_dir(JOB))
-    for path in (p for p in checkpoint.rglob("*") if p.is_file()):
-        data = path.read_bytes()
-        if path.parent.parent.name == "sources":  # the source log names the files where Spark read them
-            data = data.replace(f"file://{landing}".encode(), remote_landing.encode())
-        fs.pipe(f"{bucket}/checkpoints/{JOB}/{path.relative_to(checkpoint)}", data)
+    checkpoints, landing_root = upload(settings, JOB)
+    remote_landing = f"{landing_root}/payments"
+    bucket = checkpoints.split("://", 1)[1].rsplit("/checkpoints", 1)[0]
     for i in range(2):  # two files arrive after the stream stopped
-        fs.pipe(f"{bucket}/landing/payments/zz-late-{i}.jsonl", files[i].read_bytes())
+        fs.pipe(f"{remote_landing}/zz-late-{i}.jsonl", files[i].read_bytes())
 
     remote = inspect_checkpoint(JOB, f"memory://{bucket}/checkpoints/{JOB}", remote_landing)
 

@@ -328,3 +328,56 @@ def test_daily_backfill_schedule_asks_for_yesterdays_partition(lake):
         requests = schedule.evaluate_tick(context).run_requests
     assert [r.partition_key for r in requests] == ["2026-11-20"]
     assert defs.resolve_job_def("daily_backfill").partitions_def is not None
+
+
+def test_health_sensor_and_volume_checks_judge_a_checkpoint_on_an_object_store_as_on_local_disk(streamed):
+    """The same checkpoint, read where a cluster keeps it (memory:// stands in for s3a://): the
+    checkpoint_health sensor and the late/quarantine volume checks reach the same verdicts."""
+    import yaml
+
+    from orchestration.resources import LakestreamResource
+    from tests.objectstore import remove, upload
+
+    checkpoints, landing = upload(streamed, "purchase_metrics")
+    remote_home = streamed.home.parent / "remote-home"
+    remote_home.mkdir()
+    local_yaml = yaml.safe_load((streamed.home / "lakestream.yaml").read_text())
+    (remote_home / "lakestream.yaml").write_text(yaml.safe_dump({**local_yaml, "checkpoints": checkpoints, "landing": landing}))
+    remote = build_definitions(home=str(remote_home))
+    local = defs_for(streamed)
+
+    def verdicts(defs, home):
+        with dg.instance_for_test() as instance:
+            run_health_sensor(defs, instance)
+            record = latest_check(instance, MAIN, "checkpoint_health")
+            health = evaluation_of(record) if record else None
+        resource = LakestreamResource(home=str(home))
+        volumes = {}
+        for check in (dg.AssetCheckKey(dg.AssetKey(["lake", "payments", "purchase_metrics_late"]), "late_volume"),
+                      dg.AssetCheckKey(dg.AssetKey(["lake", "quarantine", "payments"]), "quarantine_volume")):
+            fn = next(c for c in defs.asset_checks if check in c.check_keys)
+            result = fn(lakestream=resource)
+            volumes[check.name] = (result.passed, {k: v.value for k, v in result.metadata.items()})
+        return health, volumes
+
+    try:
+        local_health, local_volumes = verdicts(local, streamed.home)
+        remote_health, remote_volumes = verdicts(remote, remote_home)
+        assert remote_health is not None, "the sensor did not report the checkpoint on the object store"
+        assert (remote_health.passed, remote_health.metadata["status"].value) == \
+            (local_health.passed, local_health.metadata["status"].value) == (True, "healthy")
+        assert remote_volumes == local_volumes
+        assert local_volumes["late_volume"][1]["late"] > 0 and local_volumes["quarantine_volume"][1]["quarantined"] > 0
+
+        # and a damage on the object store is seen there too
+        import fsspec
+
+        fs = fsspec.filesystem("memory")
+        offsets = f"{checkpoints}/purchase_metrics/offsets"
+        newest = max((p for p in fs.ls(offsets, detail=False) if p.rsplit("/", 1)[-1].isdigit()),
+                     key=lambda p: int(p.rsplit("/", 1)[-1]))
+        fs.pipe(newest, b"v1\n{not json")
+        damaged, _ = verdicts(remote, remote_home)
+        assert damaged.metadata["corrupt"].value is True and not damaged.passed
+    finally:
+        remove(checkpoints)
