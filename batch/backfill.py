@@ -80,12 +80,9 @@ def final_horizon_ms(spark, settings: Settings, job: Job) -> int | None:
     window = job.window
     if isinstance(window, Session):
         horizon = w - lateness - window.gap_ms
-        loaded = state.load_before(record.batch_id + 1)
-        if loaded.open_windows is not None:
-            first = loaded.open_windows.agg(F.min("window_start_ms")).first()[0]
-            if first is not None:
-                horizon = min(horizon, first)
-        return horizon
+        # a session still open may start as early as its first piece (the manifest knows, no read needed)
+        starts = [f.lo for f in record.store.of_kind("pieces")]
+        return min([horizon, *starts])
     return w - lateness - window.size_ms + window.every_ms
 
 

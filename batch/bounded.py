@@ -71,23 +71,25 @@ def compute(spark, settings: Settings, job: Job, lo: int, hi: int, say=lambda _m
         return _keyed(spark, job, raw, lo, hi, say, started)
     plan = plan_batch(job, raw, bounded=True, event_range_ms=job.window.events_for(lo, hi))
     stats = plan.stats()
+    events = plan.events().count()
     seconds = time.monotonic() - started
-    say(f"  read {stats.lines:,} lines ({stats.lines / max(seconds, 1e-9):,.0f} lines/s), {stats.events:,} events "
+    say(f"  read {stats.lines:,} lines ({stats.lines / max(seconds, 1e-9):,.0f} lines/s), {events:,} events "
         f"for the range, {stats.quarantined:,} quarantined")
-    out = plan.finish(POS_INF_MS)
+    rows = plan.fire(POS_INF_MS).rows
     in_range = (F.col("window_start") >= F.lit(from_epoch_ms(lo))) & (F.col("window_start") < F.lit(from_epoch_ms(hi)))
     key = job.source.dedup_key
     return Bounded(
-        job=job, lo=lo, hi=hi, main=out.written.where(in_range),
+        job=job, lo=lo, hi=hi, main=rows.where(in_range),
         consumed=plan.events().select(F.col(key).cast("string").alias(key)),
         quarantine={s.name: plan.quarantine(s.name) for s in job.sources if plan.quarantined_by_source.get(s.name)},
-        stats=BatchStats(**{**stats.__dict__, "watermark_out_ms": POS_INF_MS}), seconds=seconds,
+        stats=BatchStats(**{**stats.__dict__, "events": events, "duplicates": stats.events - events,
+                            "watermark_out_ms": POS_INF_MS}), seconds=seconds,
         _release=[plan.release],
     )
 
 
 def _keyed(spark, job: KeyedJob, raw: DataFrame, lo: int, hi: int, say, started: float) -> Bounded:
-    from streaming.keyed.spark import bounded_frame, schemas, split
+    from streaming.keyed.spark import bounded_frame, main_schema, split
 
     parsed = parse_sources(job, raw)
     t_ms = F.unix_millis(F.col(job.source.event_time))
@@ -104,7 +106,7 @@ def _keyed(spark, job: KeyedJob, raw: DataFrame, lo: int, hi: int, say, started:
     lines = row["inputs"] + row["bad"]
     say(f"  ran the keyed function over {row['inputs']:,} events ({lines / max(seconds, 1e-9):,.0f} events/s), "
         f"{row['bad']:,} quarantined")
-    parts = split(job, frame, schemas(spark, job)[0])
+    parts = split(job, frame, main_schema(job))
     column = F.unix_millis(F.col(job.time_column))
     key = job.source.dedup_key
     events = parsed.where(F.col("_reason").isNull() & (t_ms >= lo) & (t_ms < hi))

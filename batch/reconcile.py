@@ -205,7 +205,7 @@ def _mark_unread_input(spark, settings: Settings, job: Job, units: DataFrame) ->
             "_unread", F.col("_first_unread").isNotNull() & (F.col("_first_unread") <= F.col("_time")))
     else:
         plan = plan_batch(job, raw, bounded=True)
-        touched = plan.windowed().select(*job.keys, F.timestamp_millis("window_start_ms").alias("window_start"))
+        touched = plan.windowed().select(*job.keys, F.timestamp_millis("ws").alias("window_start"))
         marked = units.join(touched.distinct().withColumn("_unread", F.lit(True)), [*job.keys, "window_start"], "left")
     return marked.withColumn("status", F.when((F.col("status") == "unexplained") & F.coalesce(F.col("_unread"), F.lit(False)),
                                               F.lit("in_flight")).otherwise(F.col("status")))

@@ -29,13 +29,15 @@ from urllib.parse import unquote, urlparse
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from . import layout as spark_logs
+from .layout import Layout
+
 if TYPE_CHECKING:
     from .declaration import Job
     from .settings import Settings
 
-_BATCH_FILE = re.compile(r"^(\d+)$")
-_SOURCE_LOG = re.compile(r"^(\d+)(\.compact)?$")
 _STATE_VERSION = re.compile(r"^(\d+)\.(delta|snapshot|zip|changelog)$")
+LAYOUT = Layout("")  # paths relative to the checkpoint folder
 _NEG_INF_MS = -(2**62)
 _POS_INF_MS = 2**62
 
@@ -46,8 +48,8 @@ class Thresholds:
 
     trigger_interval_s: float = 10.0
     stall_factor: float = 5.0  # stalled: no commit for stall_factor x trigger interval while input waits
-    state_growth_ratio: float = 1.5  # state growth: latest engine state > ratio x the previous batch's ...
-    state_growth_min_bytes: int = 1 << 20  # ... and bigger than this
+    state_growth_ratio: float = 1.5  # state growth: rows remembered > ratio x after the previous batch ...
+    state_growth_min_rows: int = 100_000  # ... and more than this
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Health:
     backlog_growing: bool = False
     state_growth: bool = False
     corrupt: bool = False
+    rewritten: bool = False
     messages: list[str] = field(default_factory=list)
 
 
@@ -89,9 +92,11 @@ class CheckpointReport:
     shuffle_partitions: int | None = None
     watermark_ms: int | None = None  # the engine's event-time watermark after the last committed batch
     state_operators: list[StateOperator] = field(default_factory=list)
-    state_bytes: int = 0  # Spark state stores + the engine's state, on disk
-    engine_state_bytes: dict[int, int] = field(default_factory=dict)  # batch id -> bytes
+    state_bytes: int = 0  # Spark state stores + the engine's incremental store, on disk
+    state_rows: dict | None = None  # what the stream remembers after its last batch (ids, pieces, evals / keys)
+    engine_state_rows: dict[int, int] = field(default_factory=dict)  # batch id -> rows remembered after it
     totals: dict | None = None  # the stream's cumulative statistics after the last committed batch (lines, late...)
+    rewritten_files: list[str] = field(default_factory=list)  # landing files modified after the stream read them
     running: dict | None = None  # the marker of the process running the stream (pid, host, query id, start)
     problems: list[str] = field(default_factory=list)
     health: Health = field(default_factory=Health)
@@ -220,29 +225,11 @@ def _read_running(root: Tree, report: CheckpointReport) -> None:
         report.running = None  # no marker (or one being rewritten): not running
 
 
-def _numbered(tree: Tree, folder: str, pattern: re.Pattern = _BATCH_FILE) -> list[int]:
-    return sorted(int(m.group(1)) for name in tree.names(folder) if (m := pattern.match(name)))
-
-
-def _log_entry(tree: Tree, rel: str, problems: list[str]) -> list[str] | None:
-    """The lines of a Spark metadata-log file after its version line, or None (and a problem)."""
+def _text(tree: Tree, rel: str, problems: list[str]) -> str | None:
     try:
-        text = tree.read_text(rel)
+        return tree.read_text(rel)
     except (OSError, UnicodeDecodeError) as exc:
         problems.append(f"{rel} is unreadable: {getattr(exc, 'strerror', None) or exc}")
-        return None
-    lines = text.split("\n")
-    if not lines or not re.fullmatch(r"v\d+", lines[0].strip()):
-        problems.append(f"{rel} is corrupt: no version line (got {text[:30]!r})")
-        return None
-    return [line for line in lines[1:] if line.strip()]
-
-
-def _json(line: str, rel: str, problems: list[str]):
-    try:
-        return json.loads(line)
-    except ValueError:
-        problems.append(f"{rel} is corrupt: invalid JSON {line[:40]!r}")
         return None
 
 
@@ -253,7 +240,9 @@ def landing_files(folder: str, storage_options: Mapping[str, Any] | None = None)
     for entry in tree.entries():
         name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
         if entry.get("type") == "file" and not name.startswith((".", "_")):
-            found[tree.key(entry["name"])] = (int(entry.get("size") or 0), _mtime_ms(entry) or 0)
+            # local files: the modification time in whole ms, as Java (and so Spark's source log) reads it
+            mtime = os.stat(entry["name"]).st_mtime_ns // 1_000_000 if tree.local else _mtime_ms(entry) or 0
+            found[tree.key(entry["name"])] = (int(entry.get("size") or 0), mtime)
     return found
 
 
@@ -287,7 +276,7 @@ def inspect_checkpoint(
         _read_engine_state(root, report)
         _read_running(root, report)
     else:
-        consumed, in_flight = set(), set()
+        consumed, in_flight = {}, set()
     if landing is not None:
         try:
             folders = [landing] if isinstance(landing, str) else landing
@@ -297,9 +286,13 @@ def inspect_checkpoint(
             waiting = {p: v for p, v in files.items() if p not in consumed}
         except (ValueError, OSError) as exc:
             problems.append(str(exc))
-            waiting = {}
+            files, waiting = {}, {}
         report.files_consumed = len(consumed)
         report.consumed_files = sorted(consumed)
+        # A file changed after the stream read it: Spark never reads a path twice, so what changed is lost
+        # to the stream (and shows up in reconciliation); its source log recorded the modification time.
+        report.rewritten_files = sorted(
+            p for p, entry in consumed.items() if p in files and entry.modified_ms and files[p][1] != entry.modified_ms)
         report.files_in_flight = len([p for p in waiting if p in in_flight])
         waiting = {p: v for p, v in waiting.items() if p not in in_flight}
         report.files_waiting = len(waiting)
@@ -324,39 +317,37 @@ def inspect_job(settings: Settings, job: Job, thresholds: Thresholds | None = No
 
 
 def _read_metadata(root: Tree, report: CheckpointReport) -> None:
-    if not root.exists("metadata"):
+    if not root.exists(LAYOUT.metadata):
         report.problems.append("metadata is missing (the query never started, or the folder is damaged)")
         return
-    try:
-        report.query_id = json.loads(root.read_text("metadata").splitlines()[0])["id"]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, IndexError, TypeError):
-        report.problems.append("metadata is corrupt: no query id")
+    text = _text(root, LAYOUT.metadata, report.problems)
+    if text is not None:
+        try:
+            report.query_id = spark_logs.query_id(text)
+        except ValueError as exc:
+            report.problems.append(str(exc))
 
 
 def _read_offsets_and_commits(root: Tree, report: CheckpointReport) -> None:
-    planned = _numbered(root, "offsets")
-    committed = _numbered(root, "commits")
+    planned = spark_logs.numbered(root.names(LAYOUT.offsets))
+    committed = spark_logs.numbered(root.names(LAYOUT.commits))
     if planned:
-        n = planned[-1]
-        report.last_planned_batch = n
-        lines = _log_entry(root, f"offsets/{n}", report.problems)
-        if lines:
-            meta = _json(lines[0], f"offsets/{n}", report.problems)
-            if isinstance(meta, dict):
-                partitions = meta.get("conf", {}).get("spark.sql.shuffle.partitions")
-                report.shuffle_partitions = int(partitions) if str(partitions).isdigit() else None
-            elif meta is not None:
-                report.problems.append(f"offsets/{n} is corrupt: batch metadata is not an object")
+        n = report.last_planned_batch = planned[-1]
+        text = _text(root, LAYOUT.offset(n), report.problems)
+        if text is not None:
+            try:
+                report.shuffle_partitions = spark_logs.shuffle_partitions(spark_logs.offset_metadata(text, LAYOUT.offset(n)))
+            except ValueError as exc:
+                report.problems.append(str(exc))
     if committed:
-        n = committed[-1]
-        report.last_committed_batch = n
-        lines = _log_entry(root, f"commits/{n}", report.problems)
-        if lines is not None:
-            if not lines:
-                report.problems.append(f"commits/{n} is corrupt: empty")
-            else:
-                _json(lines[0], f"commits/{n}", report.problems)
-            report.last_commit_ms = root.mtime_ms(f"commits/{n}")
+        n = report.last_committed_batch = committed[-1]
+        text = _text(root, LAYOUT.commit(n), report.problems)
+        if text is not None:
+            try:
+                spark_logs.commit_watermark(text, LAYOUT.commit(n))
+            except ValueError as exc:
+                report.problems.append(str(exc))
+            report.last_commit_ms = root.mtime_ms(LAYOUT.commit(n))
     if report.last_planned_batch is not None and (
         report.last_committed_batch is None or report.last_planned_batch > report.last_committed_batch
     ):
@@ -372,67 +363,66 @@ def _read_offsets_and_commits(root: Tree, report: CheckpointReport) -> None:
         )
 
 
-def _read_source_log(root: Tree, report: CheckpointReport) -> tuple[set[str], set[str]]:
-    """(files of committed batches, files of batches not yet committed), as file keys (see file_key)."""
-    consumed: set[str] = set()
+def _read_source_log(root: Tree, report: CheckpointReport) -> tuple[dict[str, spark_logs.SourceFile], set[str]]:
+    """(files of committed batches, files of batches not yet committed), keyed as file_key names them."""
+    consumed: dict[str, spark_logs.SourceFile] = {}
     pending: set[str] = set()
     committed = report.last_committed_batch if report.last_committed_batch is not None else -1
-    for source in sorted(root.names("sources")):
-        folder = f"sources/{source}"
-        names = {int(m.group(1)): m.group(0) for n in root.names(folder) if (m := _SOURCE_LOG.match(n))}
-        compacts = [b for b, name in names.items() if name.endswith(".compact")]
-        start = max(compacts) if compacts else min(names, default=0)
-        for batch in sorted(b for b in names if b >= start):
-            rel = f"{folder}/{names[batch]}"
-            lines = _log_entry(root, rel, report.problems)
-            for line in lines or []:
-                entry = _json(line, rel, report.problems)
-                if not isinstance(entry, dict) or "path" not in entry:
-                    break
-                (consumed if entry.get("batchId", batch) <= committed else pending).add(file_key(entry["path"]))
-    return consumed, pending - consumed
+    for source in sorted(root.names(LAYOUT.sources)):
+        folder = f"{LAYOUT.sources}/{source}"
+        for name in spark_logs.source_log_files(root.names(folder)):
+            rel = f"{folder}/{name}"
+            text = _text(root, rel, report.problems)
+            if text is None:
+                continue
+            try:
+                entries = spark_logs.source_log_entries(text, rel, int(name.split(".")[0]))
+            except ValueError as exc:
+                report.problems.append(str(exc))
+                continue
+            for entry in entries:
+                if entry.batch_id <= committed:
+                    consumed[file_key(entry.path)] = entry
+                else:
+                    pending.add(file_key(entry.path))
+    return consumed, pending - set(consumed)
 
 
 def _read_state(root: Tree, report: CheckpointReport) -> None:
-    for operator in sorted(root.names("state")):
-        folder = f"state/{operator}"
+    for operator in sorted(root.names(LAYOUT.state)):
+        folder = f"{LAYOUT.state}/{operator}"
         if not root.isdir(folder):
             continue
         partitions = [p for p in root.names(folder) if p.isdigit()]
-        versions = [v for p in partitions for v in _numbered(root, f"{folder}/{p}", _STATE_VERSION)]
+        versions = [int(m.group(1)) for p in partitions for n in root.names(f"{folder}/{p}")
+                    if (m := _STATE_VERSION.match(n))]
         size = root.bytes_below(folder)
         report.state_operators.append(StateOperator(operator, len(partitions), max(versions, default=None), size))
         report.state_bytes += size
 
 
 def _read_engine_state(root: Tree, report: CheckpointReport) -> None:
-    batches = "lakestream/batches"
-    ids = sorted(int(n[:-5]) for n in root.names(batches) if n.endswith(".json") and n[:-5].isdigit())
-    keyed = False
+    """The engine's batch records: the watermark, the totals and what the stream remembers after
+    each recorded batch (rows of the incremental store, or keys with keyed state)."""
+    layout = Layout("")
+    ids = sorted(int(n[:-5]) for n in root.names(layout.batches) if n.endswith(".json") and n[:-5].isdigit())
     for batch in ids:
-        recorded = None
         try:
-            recorded = json.loads(root.read_text(f"{batches}/{batch}.json")).get("state_bytes")
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            rows = json.loads(root.read_text(layout.record(batch))).get("state_rows") or {}
+            report.engine_state_rows[batch] = int(sum(rows.values()))
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError, TypeError):
             pass  # reported below if it is the newest record
-        if recorded is not None:  # keyed job: Spark's state store size, recorded after the batch
-            keyed = True
-            report.engine_state_bytes[batch] = int(recorded)
-        else:
-            report.engine_state_bytes[batch] = root.bytes_below(f"lakestream/windows/{batch}") + root.bytes_below(
-                f"lakestream/seen/{batch}"
-            )
-    if not keyed:
-        report.state_bytes += sum(report.engine_state_bytes.get(b, 0) for b in ids[-1:])
+    report.state_bytes += root.bytes_below(layout.store)
     committed = [b for b in ids if report.last_committed_batch is None or b <= report.last_committed_batch]
     newest = committed[-1] if committed else (ids[-1] if ids else None)
     if newest is None:
         return
-    rel = f"{batches}/{newest}.json"
+    rel = layout.record(newest)
     try:
         record = json.loads(root.read_text(rel))
         report.watermark_ms = int(record["stats"]["watermark_out_ms"])
         report.totals = record.get("totals")
+        report.state_rows = record.get("state_rows")
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         report.problems.append(f"{rel} is corrupt: no watermark")
 
@@ -475,11 +465,20 @@ def _health(report: CheckpointReport, limits: Thresholds, root: Tree) -> Health:
                     f"{_age(now, report.oldest_waiting_ms)}, though batches committed after it arrived: input arrives "
                     "faster than the stream consumes it"
                 )
-    sizes = [report.engine_state_bytes[b] for b in sorted(report.engine_state_bytes)]
-    if len(sizes) >= 2 and sizes[-1] > limits.state_growth_min_bytes and sizes[-1] > limits.state_growth_ratio * sizes[-2]:
+    if report.rewritten_files:
+        h.rewritten = True
+        shown = ", ".join(p.rsplit("/", 1)[-1] for p in report.rewritten_files[:5])
+        more = f" and {len(report.rewritten_files) - 5} more" if len(report.rewritten_files) > 5 else ""
+        h.messages.append(
+            f"rewritten input: {len(report.rewritten_files)} landing file(s) changed after the stream read them "
+            f"({shown}{more}); the stream never reads a file twice, so their new lines are missing: write new data "
+            "under new file names, and backfill the affected days (lakestream backfill JOB --start ... --end ...)")
+    sizes = [report.engine_state_rows[b] for b in sorted(report.engine_state_rows)]
+    if len(sizes) >= 2 and sizes[-1] > limits.state_growth_min_rows and sizes[-1] > limits.state_growth_ratio * sizes[-2]:
         h.state_growth = True
-        h.messages.append(f"state growth: state {sizes[-2]:,} -> {sizes[-1]:,} bytes in one batch")
-    h.status = "error" if (h.corrupt or h.stalled) else "warning" if (h.backlog_growing or h.state_growth) else "healthy"
+        h.messages.append(f"state growth: {sizes[-2]:,} -> {sizes[-1]:,} rows remembered in one batch")
+    h.status = "error" if (h.corrupt or h.stalled or h.rewritten) else (
+        "warning" if (h.backlog_growing or h.state_growth) else "healthy")
     if not report.exists:
         h.messages.append("no checkpoint yet: the job has never run with these settings")
     return h
@@ -556,7 +555,7 @@ def describe(report: CheckpointReport) -> str:
             f"\n  operator {o.operator}: {o.partitions} partitions, version {o.latest_version}, {o.bytes:,} bytes"
             for o in report.state_operators
         )
-        + "".join(f"\n  state after batch {b}: {n:,} bytes" for b, n in sorted(report.engine_state_bytes.items())),
+        + "".join(f"\n  remembered after batch {b}: {n:,} rows" for b, n in sorted(report.engine_state_rows.items())),
         f"health           {report.health.status.upper()}",
     ]
     lines += [f"  - {m}" for m in report.health.messages]

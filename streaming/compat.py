@@ -7,11 +7,10 @@ offset log (which holds the shuffle partitions the state was partitioned with).
 
 from __future__ import annotations
 
-import json
-
 from .declaration import Job
 from .errors import IncompatibleStateError
 from .hadoopfs import HadoopFS
+from .layout import Layout, numbered, offset_metadata, shuffle_partitions
 
 _LABELS = {
     "kind": "job kind",
@@ -49,14 +48,13 @@ def refuse(job: Job, where: str, changes: list[str], checkpoint: str) -> Incompa
 
 def stored_shuffle_partitions(fs: HadoopFS, checkpoint: str) -> int | None:
     """``spark.sql.shuffle.partitions`` recorded in the checkpoint's newest offset-log entry."""
-    batches = sorted(int(n) for n in fs.list_names(f"{checkpoint}/offsets") if n.isdigit())
+    layout = Layout(checkpoint)
+    batches = numbered(fs.list_names(layout.offsets))
     if not batches:
         return None
     try:
-        lines = fs.read_text(f"{checkpoint}/offsets/{batches[-1]}").splitlines()
-        value = json.loads(lines[1])["conf"]["spark.sql.shuffle.partitions"]
-        return int(value)
-    except (IndexError, ValueError, KeyError, TypeError):
+        return shuffle_partitions(offset_metadata(fs.read_text(layout.offset(batches[-1])), layout.offset(batches[-1])))
+    except ValueError:
         return None
 
 

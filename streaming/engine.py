@@ -1,25 +1,28 @@
-"""The event-time engine of windowed jobs: one micro-batch (or one bounded run).
+"""The event-time engine of windowed jobs: one micro-batch of a stream, or one bounded run.
 
-The same code serves the stream (inside ``foreachBatch``, with state carried between batches)
-and the bounded twin (one call, empty state, perfect watermark). It only builds DataFrames and
-runs the small actions of the batch statistics; the runners do the I/O.
+The same code serves the stream (inside ``foreachBatch``: earlier batches reach it through the
+incremental ``store``) and the bounded twin (one call, nothing before it, a perfect watermark). It
+builds DataFrames; the handlers and runners do the I/O.
 
-Per batch, with ``W_in`` the watermark at the start of the batch and ``L`` the allowed lateness
-(see ``declaration`` for the rules):
+Per batch, with ``W_in`` the watermark at its start, ``d`` the out-of-orderness and ``L`` the allowed
+lateness (see ``declaration`` for the rules):
 
-1. parse lines of every source; invalid ones become quarantine rows (per file and line text);
-2. drop duplicate deliveries (dedup key) within the batch and against the keys seen in earlier
-   batches (kept until ``max(event_time, W_in) + dedup_ttl <= W``);
-3. transform the events and assign windows (a sliding window event yields one row per window;
-   a session event opens ``[t, t + gap)``); a (row, window) with ``end + L <= W_in`` is late and
-   goes to the late side output with the original event; the rest are measured;
-4. merge them with the open windows of earlier batches in one aggregation (sessions: per key,
-   windows that overlap or touch merge, gaps-and-islands over start/end);
-5. ``W_out = max(W_in, max event time of the batch - out_of_orderness)`` (bounded: +infinity);
-   windows with ``end <= W_out`` that are new or changed fire. Without lateness each fires once
-   (append). With lateness a window stays open until ``end + L <= W_out``; a changed window is
-   written again (upsert on keys + ``window_start``), and the rows of sessions it absorbed, or
-   of windows that no longer satisfy ``having``, are deleted.
+1. parse the lines of every source; invalid ones become quarantine rows (per file and line text);
+2. drop repeated deliveries: within the batch, and of ids remembered from earlier batches
+   (an id is remembered until ``max(event time, W_in) + dedup_ttl <= W``);
+3. transform the events and assign windows (a sliding-window event yields one row per window; a
+   session event opens ``[t, t + gap)``); a (row, window) with ``end + L <= W_in`` is late and goes to
+   the late side output with the original event; the rest become this batch's *pieces*: partial
+   aggregates per window (sessions: per merged interval);
+4. ``W_out = max(W_in, max event time of the batch - d)`` (bounded: +infinity). A window *fires* when
+   ``end <= W_out``: the first time it gets there, and again each time on-time events change it while
+   ``end + L > W``; its value is the combination of all its pieces. Without lateness each window is
+   written once (append); with lateness a changed window is written again (upsert on keys +
+   ``window_start``), and rows of sessions it absorbed, or of windows that no longer satisfy
+   ``having``, are deleted.
+
+Only the pieces of windows that fire are read back, so a batch costs what it brings, not what the
+stream remembers.
 """
 
 from __future__ import annotations
@@ -35,11 +38,12 @@ from .declaration import Agg, WindowedJob
 from .errors import DeclarationError
 from .parse import parse
 from .sinks.base import OP
+from .store import COMPACT_EVERY, Manifest, Store, StoreFile, bucket_of, id_hashes
 from .windows import Session, Sliding
 
 NEG_INF_MS = -(2**62)
 POS_INF_MS = 2**62
-WS, WE = "window_start_ms", "window_end_ms"
+WS, WE = "ws", "we"
 SOURCE = "_source"  # raw frames of multi-source jobs say which source a line came from
 
 
@@ -83,7 +87,7 @@ def _agg_expr(kind: str, column: str) -> Column:
 
 
 def aggregate_type(agg: Agg, schema: T.StructType) -> T.DataType:
-    """The fixed type of an aggregate, so state and sink keep one schema across batches."""
+    """The fixed type of an aggregate, so pieces and sink keep one schema across batches."""
     if agg.kind == "count":
         return T.LongType()
     source = schema[agg.column].dataType
@@ -97,7 +101,7 @@ def aggregate_type(agg: Agg, schema: T.StructType) -> T.DataType:
 
 
 def assign_windows(frame: DataFrame, job: WindowedJob, time_ms: Column) -> DataFrame:
-    """Add ``window_start_ms``/``window_end_ms``: the half-open windows ``[start, end)`` of each row."""
+    """Add ``ws``/``we``: the half-open windows ``[start, end)`` of each row, in ms."""
     window = job.window
     if isinstance(window, Session):
         return frame.withColumn(WS, time_ms).withColumn(WE, time_ms + F.lit(window.gap_ms))
@@ -112,25 +116,129 @@ def assign_windows(frame: DataFrame, job: WindowedJob, time_ms: Column) -> DataF
     return frame.withColumn(WE, F.col(WS) + F.lit(size))
 
 
+def parse_sources(job, raw: DataFrame) -> DataFrame:
+    """Every line of every source of ``job``: typed fields (unioned by name), ``source``, reasons."""
+    frames = []
+    for source in job.sources:
+        lines = raw.where(F.col(SOURCE) == source.name) if len(job.sources) > 1 else raw
+        frames.append(parse(lines, source).withColumn("source", F.lit(source.name)))
+    parsed = frames[0]
+    for frame in frames[1:]:
+        parsed = parsed.unionByName(frame, allowMissingColumns=True)
+    return parsed
+
+
+class Windows:
+    """How a job's pieces combine: per window (tumbling, sliding) or per merged session."""
+
+    def __init__(self, job: WindowedJob, types: dict[str, T.DataType]):
+        self.job = job
+        self.types = types
+        self.aggs = [a.name for a in job.aggregates]
+
+    def combine(self) -> list[Column]:
+        return [_agg_expr("sum" if a.kind == "count" else a.kind, a.name).cast(self.types[a.name]).alias(a.name)
+                for a in self.job.aggregates]
+
+    def merge(self, pieces: DataFrame, extra: list[Column] = ()) -> DataFrame:
+        """One row per window (sessions: per set of pieces that overlap or touch) with its value."""
+        keys = self.job.keys
+        if not isinstance(self.job.window, Session):
+            return pieces.groupBy(*keys, WS, WE).agg(*self.combine(), *extra)
+        # Gaps and islands: a piece starts a new session when it starts after every earlier end of its key.
+        order = Window.partitionBy(*keys).orderBy(WS, WE)
+        before = F.max(WE).over(order.rowsBetween(Window.unboundedPreceding, -1))
+        pieces = pieces.withColumn("_new", F.when(before.isNull() | (F.col(WS) > before), 1).otherwise(0))
+        pieces = pieces.withColumn("_sid", F.sum("_new").over(order.rowsBetween(Window.unboundedPreceding, 0)))
+        return pieces.groupBy(*keys, "_sid").agg(F.min(WS).alias(WS), F.max(WE).alias(WE), *self.combine(),
+                                                 *extra).drop("_sid")
+
+    def passing(self) -> Column:
+        return F.coalesce(F.expr(self.job.having), F.lit(False)) if self.job.having else F.lit(True)
+
+    def sink_rows(self, windows: DataFrame) -> DataFrame:
+        """The main table's columns of merged windows."""
+        return windows.select(*self.job.keys, F.timestamp_millis(F.col(WS)).alias("window_start"),
+                              F.timestamp_millis(F.col(WE)).alias("window_end"), *self.aggs)
+
+    def deletes(self, keys_and_starts: DataFrame) -> DataFrame:
+        """Delete rows (``_op = delete``) for (keys, ``ws``) of sink rows to retract."""
+        return keys_and_starts.select(
+            *self.job.keys, F.timestamp_millis(F.col(WS)).alias("window_start"),
+            F.lit(None).cast("timestamp").alias("window_end"),
+            *[F.lit(None).cast(self.types[a]).alias(a) for a in self.aggs], F.lit("delete").alias(OP),
+        )
+
+
 @dataclass
-class BatchPlan:
-    """The lazily built frames of one batch. Call :meth:`stats` once, then :meth:`finish`."""
+class Fired:
+    """What a batch writes to the main table (with ``_op`` when the job upserts), and to the store."""
+
+    rows: DataFrame | None = None
+    store: dict[str, DataFrame] = field(default_factory=dict)
+
+
+@dataclass
+class WindowedBatch:
+    """The lazily built frames of one batch. Call :meth:`stats` first (it caches the parsed lines)."""
 
     job: WindowedJob
     watermark_in_ms: int
     bounded: bool
     parsed: DataFrame  # every line of every source: fields, source, source_file, _raw, _reason
-    open_windows: DataFrame | None
-    seen_keys: DataFrame | None
+    store: Store | None = None  # the stream's earlier batches (None: bounded, or the first batch)
     event_range_ms: tuple[int, int] | None = None
+    batch_id: int = 0
+    _stats: BatchStats | None = None
+    _min_t: int | None = None
+    _buckets: set[int] = field(default_factory=set)
     _events: DataFrame | None = None
     _windowed: DataFrame | None = None
-    _late: DataFrame | None = None
     _cached: list[DataFrame] = field(default_factory=list)
-    _stats: BatchStats | None = None
     quarantined_by_source: dict[str, int] = field(default_factory=dict)
 
-    # -- outputs -------------------------------------------------------------------------
+    @property
+    def ttl_ms(self) -> int:
+        return int(self.job.dedup_ttl.total_seconds() * 1000)
+
+    # -- statistics (one Spark job, which also caches the batch's lines) -------------------
+    def _valid(self) -> Column:
+        valid = F.col("_reason").isNull()
+        if self.event_range_ms is not None:
+            t_ms = F.unix_millis(self.job.source.event_time)
+            valid = valid & (t_ms >= self.event_range_ms[0]) & (t_ms < self.event_range_ms[1])
+        return valid
+
+    def stats(self) -> BatchStats:
+        if self._stats is None:
+            job = self.job
+            self._cache(self.parsed)
+            valid = self._valid()
+            t_ms = F.unix_millis(job.source.event_time)
+            bad = [F.count(F.when(F.col("_reason").isNotNull() & (F.col("source") == s.name), 1)).alias(s.name)
+                   for s in job.sources]
+            extra = [] if self.bounded else [F.collect_set(F.when(valid, bucket_of(t_ms))).alias("_buckets")]
+            row = self.parsed.agg(
+                F.count(F.lit(1)).alias("_lines"), F.count(F.when(valid, 1)).alias("_valid"),
+                F.max(F.when(valid, t_ms)).alias("_max_t"), F.min(F.when(valid, t_ms)).alias("_min_t"), *bad, *extra,
+            ).first()
+            self.quarantined_by_source = {s.name: row[s.name] for s in job.sources}
+            self._buckets = set(row["_buckets"]) if not self.bounded else set()
+            self._stats = BatchStats(lines=row["_lines"], quarantined=sum(self.quarantined_by_source.values()),
+                                     events=row["_valid"], max_event_time_ms=row["_max_t"],
+                                     watermark_in_ms=self.watermark_in_ms)
+            self._min_t = row["_min_t"]
+        return self._stats
+
+    def next_watermark(self) -> int:
+        if self.bounded:
+            return POS_INF_MS
+        max_t = self.stats().max_event_time_ms
+        if max_t is None:
+            return self.watermark_in_ms
+        return max(self.watermark_in_ms, max_t - self.job.watermark.out_of_orderness_ms)
+
+    # -- outputs ---------------------------------------------------------------------------
     def quarantine(self, source: str | None = None) -> DataFrame:
         """Invalid lines (of ``source``, or all), one row per (file, line text) with its count."""
         bad = self.parsed.where(F.col("_reason").isNotNull())
@@ -139,6 +247,34 @@ class BatchPlan:
         return bad.groupBy("source", "source_file", F.col("_raw").alias("raw_line")).agg(
             F.first("_reason").alias("reason"), F.count(F.lit(1)).alias("occurrences")
         ).select("source", "source_file", "raw_line", "reason", "occurrences", F.lit(self.job.name).alias("detected_by"))
+
+    def events(self) -> DataFrame:
+        """Valid events, each delivery once: repeated ids within the batch and ids the stream
+        remembers are dropped. Counting 64-bit hash pairs finds the repeats without shuffling
+        whole rows: only rows whose hashes repeat are deduplicated exactly."""
+        if self._events is None:
+            self.stats()
+            job = self.job
+            key = job.source.dedup_key
+            valid = self.parsed.where(self._valid()).drop("_raw", "_reason")
+            hashed = valid.select("*", F.unix_millis(job.source.event_time).alias("event_time_ms"), *id_hashes(F.col(key)))
+            repeated = hashed.groupBy("_h1", "_h2").agg(F.count(F.lit(1)).alias("_n")).where(F.col("_n") > 1)
+            repeated = repeated.select("_h1", "_h2")
+            once = hashed.join(repeated, ["_h1", "_h2"], "left_anti")
+            again = hashed.join(repeated, ["_h1", "_h2"], "left_semi").dropDuplicates([key])
+            events = once.unionByName(again)
+            remembered = self.store.ids(self._buckets) if self.store is not None and self._buckets else None
+            if remembered is not None:
+                live = remembered.where(F.col("_expires_ms") > F.lit(self.watermark_in_ms)).select("_h1", "_h2")
+                events = events.join(live, ["_h1", "_h2"], "left_anti")
+            self._events = self._cache(events)
+        return self._events
+
+    def new_ids(self) -> DataFrame:
+        """The ids this batch brings, with when they are forgotten: ``max(event time, W_in) + dedup_ttl``."""
+        expires = F.greatest(F.col("event_time_ms"), F.lit(self.watermark_in_ms)) + F.lit(self.ttl_ms)
+        return self.events().select(bucket_of(F.col("event_time_ms")).alias("_b"), "_h1", "_h2",
+                                    expires.alias("_expires_ms"))
 
     def _late_condition(self) -> Column:
         if self.bounded:
@@ -163,83 +299,27 @@ class BatchPlan:
 
     def late(self) -> DataFrame:
         """Late side output: the event, the window it missed, the watermark and by how much."""
-        if self._late is None:
-            job, key = self.job, self.job.source.dedup_key
-            fields = [f for f in dict.fromkeys(n for s in job.sources for n in s.field_names)]
-            originals = self.events().select(
-                F.col(key).alias("_id"), F.col("source").alias("_src"), F.col("source_file").alias("_file"),
-                F.to_json(F.struct(*[F.col(f) for f in fields])).alias("_event"),
-            )
-            missed = self.windowed().where(F.col("_late")).select(
-                *job.keys, key, job.source.event_time, WS, WE,
-            )
-            joined = F.broadcast(missed).join(originals, missed[key] == originals["_id"], "left")
-            t_ms = F.unix_millis(F.col(job.source.event_time))
-            late = joined.select(
-                *job.keys,
-                F.col(key),
-                F.col(job.source.event_time),
-                F.timestamp_millis(F.col(WS)).alias("window_start"),
-                F.timestamp_millis(F.col(WE)).alias("window_end"),
-                F.lit(self.watermark_in_ms).cast("long").alias("watermark_ms"),
-                (F.lit(self.watermark_in_ms) - t_ms).cast("long").alias("late_by_ms"),
-                F.col("_src").alias("source"), F.col("_file").alias("source_file"), F.col("_event").alias("event"),
-            )
-            self._late = late if self.bounded else self._cache(late)
-        return self._late
+        job, key = self.job, self.job.source.dedup_key
+        fields = [f for f in dict.fromkeys(n for s in job.sources for n in s.field_names)]
+        originals = self.events().select(
+            F.col(key).alias("_id"), F.col("source").alias("_src"), F.col("source_file").alias("_file"),
+            F.to_json(F.struct(*[F.col(f) for f in fields])).alias("_event"),
+        )
+        missed = self.windowed().where(F.col("_late")).select(*job.keys, key, job.source.event_time, WS, WE)
+        joined = missed.join(originals, missed[key] == originals["_id"], "left")
+        t_ms = F.unix_millis(F.col(job.source.event_time))
+        return joined.select(
+            *job.keys, F.col(key), F.col(job.source.event_time),
+            F.timestamp_millis(F.col(WS)).alias("window_start"), F.timestamp_millis(F.col(WE)).alias("window_end"),
+            F.lit(self.watermark_in_ms).cast("long").alias("watermark_ms"),
+            (F.lit(self.watermark_in_ms) - t_ms).cast("long").alias("late_by_ms"),
+            F.col("_src").alias("source"), F.col("_file").alias("source_file"), F.col("_event").alias("event"),
+        )
 
-    def _measures(self) -> tuple[DataFrame, dict[str, T.DataType]]:
-        """One row per on-time (event, window): keys, window and each aggregate's input value (typed)."""
-        job = self.job
-        windowed = self.windowed().where(~F.col("_late"))
-        types = {a.name: aggregate_type(a, windowed.schema) for a in job.aggregates}
-        values = [
-            (F.lit(1) if a.kind == "count" and a.column == "*" else F.col(a.column)).cast(types[a.name]).alias(a.name)
-            for a in job.aggregates
-        ]
-        return windowed.select(*job.keys, WS, WE, *values), types
-
-    # -- statistics ----------------------------------------------------------------------
-    def events(self) -> DataFrame:
-        if self._events is None:
-            self.stats()
-        return self._events  # type: ignore[return-value]
-
-    def stats(self) -> BatchStats:
-        """Run the batch's statistics actions (they also fill the cache used by the writes)."""
-        if self._stats is None:
-            job = self.job
-            self._cache(self.parsed)
-            valid = F.col("_reason").isNull()
-            t_ms = F.unix_millis(job.source.event_time)
-            if self.event_range_ms is not None:
-                valid = valid & (t_ms >= self.event_range_ms[0]) & (t_ms < self.event_range_ms[1])
-            bad_by_source = [F.count(F.when(F.col("_reason").isNotNull() & (F.col("source") == s.name), 1)).alias(s.name)
-                             for s in job.sources]
-            row = self.parsed.agg(
-                F.count(F.lit(1)).alias("_lines"),
-                F.count(F.when(valid, 1)).alias("_valid"),
-                F.max(F.when(valid, t_ms)).alias("_max_t"),
-                F.min(F.when(valid, t_ms)).alias("_min_t"),
-                *bad_by_source,
-            ).first()
-            self.quarantined_by_source = {s.name: row[s.name] for s in job.sources}
-            events = self.parsed.where(valid).drop("_raw", "_reason")
-            self._events = self._deduplicate(events.withColumn("event_time_ms", t_ms))
-            n_events = self._events.count()
-            self._stats = BatchStats(
-                lines=row["_lines"],
-                quarantined=sum(self.quarantined_by_source.values()),
-                events=n_events,
-                duplicates=row["_valid"] - n_events,
-                late=self.late().count() if self._may_be_late(row["_min_t"]) else 0,
-                max_event_time_ms=row["_max_t"],
-                watermark_in_ms=self.watermark_in_ms,
-            )
-        return self._stats
-
-    def _may_be_late(self, min_t: int | None) -> bool:
+    def may_be_late(self) -> bool:
         """Whether any event of the batch can be late (its earliest window already closed)."""
+        self.stats()
+        min_t = self._min_t
         if self.bounded or min_t is None:
             return False
         reach = self.job.watermark.allowed_lateness_ms
@@ -247,112 +327,132 @@ class BatchPlan:
             reach += self.job.window.gap_ms  # an event's own session window ends a gap after it
         return min_t + reach < self.watermark_in_ms
 
-    def _deduplicate(self, valid: DataFrame) -> DataFrame:
-        """Drop repeated deliveries: within the batch, and of keys remembered from earlier batches.
+    def types(self) -> dict[str, T.DataType]:
+        schema = self.windowed().schema
+        return {a.name: aggregate_type(a, schema) for a in self.job.aggregates}
 
-        ``dropDuplicates`` over the whole batch would shuffle every row. Duplicates are rare, so
-        only 64-bit hashes of the key are counted (hash aggregation, combined map-side); rows whose
-        hash occurs once pass untouched, and only the few rows with a repeated hash (true
-        duplicates, or a hash collision) are deduplicated exactly.
-        """
-        key = self.job.source.dedup_key
-        hashed = valid.withColumn("_h", F.xxhash64(F.col(key)))
-        repeated = self._cache(
-            hashed.groupBy("_h").agg(F.count(F.lit(1)).alias("_n")).where(F.col("_n") > 1).select("_h")
-        )
-        n_repeated = repeated.count()
-        if n_repeated:
-            small = F.broadcast(repeated) if n_repeated <= 2_000_000 else repeated
-            once = hashed.join(small, "_h", "left_anti")
-            again = hashed.join(small, "_h", "left_semi").dropDuplicates([key])
-            hashed = once.unionByName(again)
-        events = hashed.drop("_h")
-        if self.seen_keys is not None:
-            events = events.join(self.seen_keys.select(F.col("key").alias(key)), on=key, how="left_anti")
-        return self._cache(events)
+    def pieces(self) -> DataFrame:
+        """This batch's partial aggregates of on-time events: per window (sessions: per merged interval)."""
+        job = self.job
+        on_time = self.windowed().where(~F.col("_late"))
+        types = self.types()
+        values = [(F.lit(1) if a.kind == "count" and a.column == "*" else F.col(a.column)).cast(types[a.name]).alias(a.name)
+                  for a in job.aggregates]
+        rows = on_time.select(*job.keys, WS, WE, *values)
+        return Windows(job, types).merge(rows)
 
-    def next_watermark(self) -> int:
+    # -- firing ----------------------------------------------------------------------------
+    def fire(self, watermark_out_ms: int) -> Fired:
+        """The main-table rows of the windows due at ``W_out``, and what the store must remember."""
+        job = self.job
+        windows = Windows(job, self.types())
+        pieces = self.pieces()
         if self.bounded:
-            return POS_INF_MS
-        max_t = self.stats().max_event_time_ms
-        if max_t is None:
-            return self.watermark_in_ms
-        return max(self.watermark_in_ms, max_t - self.job.watermark.out_of_orderness_ms)
+            merged = windows.merge(pieces)
+            return Fired(rows=windows.sink_rows(merged.where(windows.passing())))
+        store = {"ids": self.new_ids(), "pieces": pieces}
+        if isinstance(job.window, Session):
+            return self._fire_sessions(watermark_out_ms, windows, pieces, store)
+        return self._fire_windows(watermark_out_ms, windows, pieces, store)
 
-    # -- windows -------------------------------------------------------------------------
-    def _merge(self, rows: DataFrame, types: dict[str, T.DataType]) -> DataFrame:
-        """Combine partial aggregates per window (sessions: per merged session) in one aggregation."""
-        job = self.job
-        combine = [
-            _agg_expr("sum" if a.kind == "count" else a.kind, a.name).cast(types[a.name]).alias(a.name)
-            for a in job.aggregates
-        ]
-        flags = [
-            F.max("_fired").alias("_fired"),
-            F.max("_changed").alias("_changed"),
-            F.array_distinct(F.flatten(F.collect_list("_in_sink"))).alias("_in_sink"),
-        ]
-        if not isinstance(job.window, Session):
-            return rows.groupBy(*job.keys, WS, WE).agg(*combine, *flags)
-        # Gaps and islands: a row starts a new session when it starts after every earlier end of its key.
-        order = Window.partitionBy(*job.keys).orderBy(WS, WE)
-        before = F.max(WE).over(order.rowsBetween(Window.unboundedPreceding, -1))
-        rows = rows.withColumn("_new", F.when(before.isNull() | (F.col(WS) > before), 1).otherwise(0))
-        rows = rows.withColumn("_sid", F.sum("_new").over(order.rowsBetween(Window.unboundedPreceding, 0)))
-        return rows.groupBy(*job.keys, "_sid").agg(
-            F.min(WS).alias(WS), F.max(WE).alias(WE), *combine, *flags
-        ).drop("_sid")
+    def _fire_windows(self, w_out: int, windows: Windows, pieces: DataFrame, store: dict) -> Fired:
+        """Tumbling and sliding windows: a window is due the first time ``end <= W_out`` (``end`` in
+        ``(W_in, W_out]``), and when this batch corrects it (``end <= W_in``, within lateness). A fired
+        window is in the sink iff its value before this batch satisfied ``having``."""
+        job, w_in = self.job, self.watermark_in_ms
+        lateness, size = job.watermark.allowed_lateness_ms, job.window.size_ms
+        lo, hi = w_in - lateness - size + 1, w_out - size  # window starts of every window that may be due
+        if hi < lo:
+            return Fired(store=store)
+        in_range = (F.col(WS) >= F.lit(lo)) & (F.col(WS) <= F.lit(hi))
+        now = pieces.where(in_range).withColumn("_now", F.lit(True))
+        earlier = self.store.in_range("pieces", lo, hi) if self.store is not None else None
+        both = now if earlier is None else earlier.withColumn("_now", F.lit(False)).unionByName(now)
+        passing = windows.passing()
+        merged = windows.merge(both, [F.max("_now").alias("_now")])
+        first = F.col(WE) > F.lit(w_in)
+        if not job.upserts:
+            return Fired(rows=windows.sink_rows(merged.where(first & passing)), store=store)
+        corrected = ~first & F.col("_now")
+        due = merged.where(first | corrected)
+        written = windows.sink_rows(due.where(passing)).withColumn(OP, F.lit("upsert"))
+        if earlier is None or not job.having:
+            return Fired(rows=written, store=store)
+        before = windows.merge(earlier).where(passing).select(*job.keys, WS).withColumn("_was", F.lit(True))
+        left = due.where(corrected & ~passing).join(before, [*job.keys, WS], "inner")
+        return Fired(rows=written.unionByName(windows.deletes(left)), store=store)
 
-    def finish(self, watermark_out_ms: int) -> "BatchOutputs":
-        """Merge into the open windows and split what is written from what stays in state."""
-        job = self.job
-        rows, types = self._measures()
-        no_starts = F.array().cast("array<bigint>")
-        rows = rows.select("*", F.lit(False).alias("_fired"), F.lit(True).alias("_changed"), no_starts.alias("_in_sink"))
-        if self.open_windows is not None:
-            rows = self.open_windows.withColumn("_changed", F.lit(False)).unionByName(rows)
-        merged = self._cache(self._merge(rows, types))
-        fires = F.col(WE) <= F.lit(watermark_out_ms)
-        due = fires & (F.col("_changed") | ~F.col("_fired"))
-        passing = F.coalesce(F.expr(job.having), F.lit(False)) if job.having else F.lit(True)
-        aggs = [a.name for a in job.aggregates]
-        written = merged.where(due & passing).select(
-            *job.keys,
-            F.timestamp_millis(F.col(WS)).alias("window_start"),
-            F.timestamp_millis(F.col(WE)).alias("window_end"),
-            *aggs,
-        )
-        if job.upserts and not self.bounded:
-            stale = merged.where(due).select(
-                *job.keys, F.explode(F.filter("_in_sink", lambda s: (s != F.col(WS)) | ~passing)).alias("_start"),
-            ).select(
-                *job.keys,
-                F.timestamp_millis(F.col("_start")).alias("window_start"),
-                F.lit(None).cast("timestamp").alias("window_end"),
-                *[F.lit(None).cast(types[a]).alias(a) for a in aggs],
-                F.lit("delete").alias(OP),
+    def _fire_sessions(self, w_out: int, windows: Windows, pieces: DataFrame, store: dict) -> Fired:
+        """Sessions: the keys with pieces in this batch or with a session that may close now are
+        re-merged from all their pieces; a session is due when ``end <= W_out`` and it differs from
+        its last evaluation (``evals``). Rows of the sessions it absorbed that are in the sink are
+        deleted; the evaluation is remembered, the absorbed ones are marked gone."""
+        job, w_in, lateness = self.job, self.watermark_in_ms, self.job.watermark.allowed_lateness_ms
+        keys, aggs = list(job.keys), windows.aggs
+        earlier = self.store.every("pieces") if self.store is not None else None
+        candidates = pieces.select(*keys)
+        if earlier is not None:
+            closing = earlier.where((F.col(WE) > F.lit(w_in)) & (F.col(WE) <= F.lit(w_out)))
+            candidates = candidates.unionByName(closing.select(*keys))
+            # their sessions before this batch, as pieces; those closed for good (end + L <= W_in) are gone
+            before = windows.merge(earlier.join(candidates.distinct(), keys, "left_semi"))
+            pieces = before.where(F.col(WE) + F.lit(lateness) > F.lit(w_in)).unionByName(pieces)
+        sessions = windows.merge(pieces).where(F.col(WE) <= F.lit(w_out))
+        evals = self.latest_evals()
+        if evals is None:
+            judged = sessions.select("*", F.lit(False).alias("_unchanged"), F.array().cast("array<bigint>").alias("_in_sink"),
+                                     F.array().cast("array<bigint>").alias("_absorbed"))
+        else:
+            e = evals.select(*[F.col(k).alias(f"_e_{k}") for k in keys], F.col(WS).alias("_e_ws"),
+                             F.col(WE).alias("_e_we"), *[F.col(a).alias(f"_e_{a}") for a in aggs],
+                             F.col("passing").alias("_e_passing"))
+            inside = F.lit(True)
+            for k in keys:
+                inside = inside & (F.col(k) == F.col(f"_e_{k}"))
+            inside = inside & (F.col("_e_ws") >= F.col(WS)) & (F.col("_e_ws") < F.col(WE))
+            same = (F.col("_e_ws") == F.col(WS)) & (F.col("_e_we") == F.col(WE))
+            for a in aggs:
+                same = same & F.col(f"_e_{a}").eqNullSafe(F.col(a))
+            judged = sessions.join(e, inside, "left").groupBy(*keys, WS, WE).agg(
+                *[F.first(a).alias(a) for a in aggs],
+                F.max(F.coalesce(same, F.lit(False))).alias("_unchanged"),
+                F.collect_list(F.when(F.col("_e_passing"), F.col("_e_ws"))).alias("_in_sink"),
+                F.collect_list(F.when(F.col("_e_ws") != F.col(WS), F.col("_e_ws"))).alias("_absorbed"),
             )
-            written = written.withColumn(OP, F.lit("upsert")).unionByName(stale)
-        in_sink = F.when(due, F.when(passing, F.array(F.col(WS))).otherwise(no_starts)).otherwise(F.col("_in_sink"))
-        keep = merged.where(F.col(WE) + F.lit(job.watermark.allowed_lateness_ms) > F.lit(watermark_out_ms)).select(
-            *job.keys, WS, WE, *aggs, (F.col("_fired") | fires).alias("_fired"), in_sink.alias("_in_sink"),
-        )
-        seen = None
-        if not self.bounded:
-            key = job.source.dedup_key
-            expires = F.greatest(F.col("event_time_ms"), F.lit(self.watermark_in_ms)) + F.lit(
-                int(job.dedup_ttl.total_seconds() * 1000)
-            )
-            seen = self.events().select(F.col(key).cast("string").alias("key"), expires.alias("expires_ms"))
-            if self.seen_keys is not None:
-                seen = self.seen_keys.unionByName(seen)
-            seen = seen.where(F.col("expires_ms") > F.lit(watermark_out_ms))
-        return BatchOutputs(written=written, open_windows=keep, seen_keys=seen)
+        due = self._cache(judged.where(~F.col("_unchanged")).withColumn("_passing", windows.passing()))
+        written = windows.sink_rows(due.where(F.col("_passing")))
+        if job.upserts:
+            retract = due.select(*keys, F.explode(F.filter("_in_sink", lambda s: (s != F.col(WS)) | ~F.col("_passing")))
+                                 .alias(WS))
+            rows = written.withColumn(OP, F.lit("upsert")).unionByName(windows.deletes(retract))
+        else:
+            rows = written
+        batch = F.lit(self.batch_id).cast("long").alias("_batch")
+        evaluated = due.select(*keys, WS, WE, *aggs, F.col("_passing").alias("passing"), F.lit(False).alias("_gone"), batch)
+        gone = due.select(*keys, F.explode("_absorbed").alias(WS)).select(
+            *keys, WS, F.lit(None).cast("long").alias(WE), *[F.lit(None).cast(windows.types[a]).alias(a) for a in aggs],
+            F.lit(None).cast("boolean").alias("passing"), F.lit(True).alias("_gone"), batch)
+        store["evals"] = evaluated.unionByName(gone)
+        return Fired(rows=rows, store=store)
+
+    def latest_evals(self) -> DataFrame | None:
+        """The newest evaluation of each session start still remembered (gone ones dropped)."""
+        if self.store is None:
+            return None
+        evals = self.store.every("evals")
+        if evals is None:
+            return None
+        newest = Window.partitionBy(*self.job.keys, WS).orderBy(F.col("_batch").desc())
+        return evals.withColumn("_r", F.row_number().over(newest)).where((F.col("_r") == 1) & ~F.col("_gone")).drop("_r")
 
     def release(self) -> None:
         for frame in self._cached:
             frame.unpersist()
         self._cached.clear()
+
+    def cache(self, frame: DataFrame) -> DataFrame:
+        """Keep ``frame`` until :meth:`release` (it is read more than once)."""
+        return self._cache(frame)
 
     def _cache(self, frame: DataFrame) -> DataFrame:
         if frame not in self._cached:
@@ -361,35 +461,16 @@ class BatchPlan:
         return frame
 
 
-@dataclass(frozen=True)
-class BatchOutputs:
-    written: DataFrame  # rows for the sink (with an ``_op`` column when the job upserts)
-    open_windows: DataFrame
-    seen_keys: DataFrame | None
-
-
-def parse_sources(job, raw: DataFrame) -> DataFrame:
-    """Every line of every source of ``job``: typed fields (unioned by name), ``source``, reasons."""
-    frames = []
-    for source in job.sources:
-        lines = raw.where(F.col(SOURCE) == source.name) if len(job.sources) > 1 else raw
-        frames.append(parse(lines, source).withColumn("source", F.lit(source.name)))
-    parsed = frames[0]
-    for frame in frames[1:]:
-        parsed = parsed.unionByName(frame, allowMissingColumns=True)
-    return parsed
-
-
 def plan_batch(
     job: WindowedJob,
     raw: DataFrame,
     *,
     watermark_in_ms: int = NEG_INF_MS,
-    open_windows: DataFrame | None = None,
-    seen_keys: DataFrame | None = None,
+    store: Store | None = None,
     bounded: bool = False,
     event_range_ms: tuple[int, int] | None = None,
-) -> BatchPlan:
+    batch_id: int = 0,
+) -> WindowedBatch:
     """Build the batch's frames from raw lines (``value``, ``source_file`` and, multi-source, ``_source``)."""
     parsed = parse_sources(job, raw)
     # Only quarantined and late rows report their file. Dropping it elsewhere keeps the batch's
@@ -399,12 +480,57 @@ def plan_batch(
     if not bounded:
         needs_file = needs_file | (F.unix_millis(F.col(job.source.event_time)) < F.lit(watermark_in_ms))
     parsed = parsed.withColumn("source_file", F.when(needs_file, F.col("source_file")))
-    return BatchPlan(
-        job=job,
-        watermark_in_ms=watermark_in_ms,
-        bounded=bounded,
-        parsed=parsed,
-        open_windows=open_windows,
-        seen_keys=seen_keys,
-        event_range_ms=event_range_ms,
-    )
+    return WindowedBatch(job=job, watermark_in_ms=watermark_in_ms, bounded=bounded, parsed=parsed, store=store,
+                         event_range_ms=event_range_ms, batch_id=batch_id)
+
+
+def maintain(spark, job: WindowedJob, store: Store, new_files: list[StoreFile], batch_id: int, watermark_out_ms: int,
+             types: dict[str, T.DataType]) -> tuple[Manifest, list[str]]:
+    """The store after a batch: files whose rows are all expired are dropped (ids: every id forgotten;
+    pieces of tumbling/sliding windows: every window closed beyond lateness), and once a kind has
+    more than ``COMPACT_EVERY`` files they are merged into one (sessions: re-merged, closed ones
+    dropped). Returns the new manifest and the folders to delete once no replay can need them."""
+    lateness = job.watermark.allowed_lateness_ms
+    sessions = isinstance(job.window, Session)
+
+    def expired(f: StoreFile) -> bool:
+        if f.kind == "ids":
+            return f.expires_ms <= watermark_out_ms
+        return not sessions and f.expires_ms + lateness <= watermark_out_ms
+
+    files = [*store.manifest.files, *new_files]
+    keep = [f for f in files if not expired(f)]
+    merged: dict[str, DataFrame] = {}
+    ids = [f for f in keep if f.kind == "ids" and not f.path.rsplit("/", 2)[-2].startswith("c")]  # per-batch files
+    if len(ids) > COMPACT_EVERY:
+        frame = store._read("ids", ids).where(F.col("_expires_ms") > F.lit(watermark_out_ms))  # noqa: SLF001
+        merged["ids"] = frame
+        keep = [f for f in keep if f not in ids]
+    pieces = [f for f in keep if f.kind == "pieces"]
+    evals = [f for f in keep if f.kind == "evals"]
+    if len(pieces) > COMPACT_EVERY or len(evals) > COMPACT_EVERY:
+        windows = Windows(job, types)
+        open_windows = windows.merge(store._read("pieces", pieces))  # noqa: SLF001
+        open_windows = open_windows.where(F.col(WE) + F.lit(lateness) > F.lit(watermark_out_ms))
+        merged["pieces"] = open_windows
+        keep = [f for f in keep if f.kind != "pieces"]
+        if evals:
+            latest = Window.partitionBy(*job.keys, WS).orderBy(F.col("_batch").desc())
+            recent = store._read("evals", evals).withColumn("_r", F.row_number().over(latest))  # noqa: SLF001
+            recent = recent.where((F.col("_r") == 1) & ~F.col("_gone")).drop("_r")
+            spans = open_windows.select(*[F.col(k).alias(f"_s_{k}") for k in job.keys], F.col(WS).alias("_s_ws"),
+                                        F.col(WE).alias("_s_we"))
+            inside = F.lit(True)
+            for k in job.keys:
+                inside = inside & (F.col(k) == F.col(f"_s_{k}"))
+            inside = inside & (F.col(WS) >= F.col("_s_ws")) & (F.col(WS) < F.col("_s_we"))
+            merged["evals"] = recent.join(spans, inside, "left_semi")
+            keep = [f for f in keep if f.kind != "evals"]
+    if merged:
+        keep += store.write(batch_id, merged, folder=f"{store.layout.store}/c{batch_id}")
+    live = {f.path for f in keep}
+    removed = [f.path for f in files if f.path not in live]
+    bases = {f.path.rsplit("/", 1)[0] for f in keep}
+    removed += sorted({p.rsplit("/", 1)[0] for p in removed} - bases)
+    return Manifest(keep), removed
+

@@ -55,6 +55,8 @@ class HadoopFS:
             return []
         return [status.getPath().getName() for status in fs.listStatus(self._path(path))]
 
+    names = list_names  # the ``layout.Files`` interface
+
     def delete(self, path: str) -> None:
         fs = self._fs(path)
         if fs.exists(self._path(path)):

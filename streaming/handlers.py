@@ -1,19 +1,24 @@
 """The ``foreachBatch`` functions of streams: one micro-batch, committed exactly once per table.
 
 Spark fixes the input files of every planned batch in its offset log and replays an unfinished
-batch after a restart. The handler recomputes the same outputs (windowed: from the engine state
-of the previous batch; keyed: Spark restores the state store of the previous batch), and commits
-each table with ``Commit(<query id>[:<restore epoch>], <batch id>)``; a table that already holds
-that commit is skipped. The batch record (watermark, statistics, job shape) is written last, and
-the batch is acknowledged to Spark only after every table and the record are written.
+batch after a restart. The handler recomputes the same outputs (windowed jobs from the incremental
+store as the previous batch left it; keyed jobs from Spark's state store, which Spark restores) and
+commits each table with ``Commit(<query id>[:<restore epoch>], <batch id>)``. Only the batch Spark
+may be replaying — the one it had planned but not committed when the stream started — looks for
+its commits in the tables; every other batch is known to be new. A table without rows gets no
+commit. The batch record (statistics, watermark, store manifest) is written last, and the batch is
+acknowledged to Spark only after every table, the store and the record are written.
+
+One commit path for both kinds of job: a batch hands over its outputs (main rows, late rows,
+quarantined lines per source) with their row counts, and they are written concurrently.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pyspark import StorageLevel
@@ -21,12 +26,14 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from .declaration import Job, KeyedJob, WindowedJob
-from .engine import NEG_INF_MS, BatchStats, plan_batch
+from .engine import BatchStats, plan_batch
 from .errors import CheckpointCorruptError
 from .faults import FaultFn
 from .hadoopfs import HadoopFS
+from .layout import Layout, query_id
 from .sinks import OP, WATERMARK_KEY, Commit, Sink
-from .state import EngineState
+from .state import BatchRecord, EngineState, Records, watermark_of
+from .store import Store
 from .tables import JobSinks
 
 
@@ -48,6 +55,7 @@ class BatchResult:
     seconds: float
     tables: dict[str, TableWrite]
     committed_at_ms: int
+    state_rows: int | None = None  # what the stream remembers after the batch
 
 
 ProgressFn = Callable[[BatchResult], None]
@@ -55,6 +63,9 @@ ProgressFn = Callable[[BatchResult], None]
 
 @dataclass
 class StreamReport:
+    """What a run of a stream did. ``batches`` counts the micro-batches that read input or ran the
+    job's code (a keyed job's timers); ``stats`` sums them; ``totals`` cover the checkpoint's life."""
+
     job: str
     batches: int = 0
     stats: BatchStats = field(default_factory=BatchStats)
@@ -71,135 +82,183 @@ class StreamReport:
         return now
 
 
-class _Handler:
-    def __init__(self, job: Job, checkpoint: str, sinks: JobSinks, progress: ProgressFn | None, report: StreamReport,
-                 fault: FaultFn | None = None):
-        self.job = job
-        self.checkpoint = checkpoint
-        self.sinks = sinks
-        self.progress = progress
-        self.report = report
-        self._fault = fault or (lambda point, batch_id: None)
-        self._query_id: str | None = None
-        self._prefix: str | None = None
+@dataclass
+class Output:
+    """A batch's rows for one table, with their count (and time range) known before writing."""
 
-    def commit_prefix(self, spark) -> str:
-        """``<query id>``, or ``<query id>:<restore epoch>`` after a savepoint restore, so batches
-        re-run after a restore never match commits that the restore rolled back."""
-        if self._prefix is None:
-            fs = HadoopFS(spark)
-            epoch_path = f"{self.checkpoint}/lakestream/epoch"
-            epoch = fs.read_text(epoch_path).strip() if fs.exists(epoch_path) else ""
-            self._prefix = f"{self.query_id(spark)}:{epoch}" if epoch else self.query_id(spark)
-        return self._prefix
-
-    def query_id(self, spark) -> str:
-        if self._query_id is None:
-            text = HadoopFS(spark).read_text(f"{self.checkpoint}/metadata")
-            try:
-                self._query_id = json.loads(text.splitlines()[0])["id"]
-            except (ValueError, KeyError, IndexError):
-                raise CheckpointCorruptError(
-                    f"{self.checkpoint}/metadata is unreadable; delete the checkpoint folder to start over"
-                ) from None
-        return self._query_id
-
-    def _commit(self, spark, batch_id: int, watermark_out: int) -> Commit:
-        return Commit(self.commit_prefix(spark), batch_id,
-                      {"lakestream.job": self.job.name, WATERMARK_KEY: str(watermark_out)})
-
-    def _write(self, sink: Sink, frame: DataFrame, commit: Commit, replay: bool, *, upsert_keys=None) -> None:
-        if upsert_keys:
-            sink.upsert(frame, upsert_keys, commit, may_exist=replay)
-        else:
-            sink.append(frame, commit, may_exist=replay)
-        self._fault(f"committed:{sink.table.name}", commit.version)
-
-    def _finish(self, state: EngineState, batch_id: int, stats: BatchStats, previous, tables: dict[str, TableWrite],
-                started: float, open_windows=None, seen_keys=None, state_bytes: int | None = None) -> None:
-        self._fault("before-state", batch_id)
-        totals = previous.totals.plus(stats) if previous is not None else stats
-        state.save(batch_id, stats, totals, open_windows, seen_keys, self.job.fingerprint(), self.job.shape(),
-                   state_bytes)
-        self._fault("after-state", batch_id)
-        report = self.report
-        report.batches += 1
-        report.stats = report.stats.plus(stats) if report.batches > 1 else stats
-        report.totals = totals
-        report.last = BatchResult(self.job.name, batch_id, stats, time.perf_counter() - started, tables,
-                                  int(time.time() * 1000))
-        report.batch_done.set()
-        if self.progress:
-            self.progress(report.last)
+    sink: Sink
+    frame: DataFrame
+    rows: int
+    deleted: int = 0
+    first_ms: int | None = None
+    last_ms: int | None = None
+    upsert_keys: list[str] | None = None
 
 
-def _range(frame: DataFrame, column: str, extra=()) -> dict:
+def _span(frame: DataFrame, column: str, *extra) -> dict:
     row = frame.agg(F.count(F.lit(1)).alias("n"), F.min(F.unix_millis(column)).alias("lo"),
                     F.max(F.unix_millis(column)).alias("hi"), *extra).first()
     return row.asDict()
 
 
+class _Handler:
+    def __init__(self, job: Job, checkpoint: str, sinks: JobSinks, progress: ProgressFn | None, report: StreamReport,
+                 fault: FaultFn | None = None):
+        self.job = job
+        self.layout = Layout(checkpoint)
+        self.sinks = sinks
+        self.progress = progress
+        self.report = report
+        self._fault = fault or (lambda point, batch_id: None)
+        self._started = False
+        self._prefix = ""
+        self._replay: int | None = None
+        self.records: Records | None = None
+        self.state: EngineState | None = None
+
+    def _start(self, spark) -> None:
+        """Once per run: the query id, the restore epoch, and which batch Spark may be replaying."""
+        if self._started:
+            return
+        fs = HadoopFS(spark)
+        try:
+            qid = query_id(fs.read_text(self.layout.metadata))
+        except ValueError:
+            raise CheckpointCorruptError(
+                f"{self.layout.metadata} is unreadable; delete the checkpoint folder to start over"
+            ) from None
+        epoch = fs.read_text(self.layout.epoch).strip() if fs.exists(self.layout.epoch) else ""
+        # After a restore, batches re-run from the savepoint must not match commits the restore rolled back.
+        self._prefix = f"{qid}:{epoch}" if epoch else qid
+        self.state = EngineState(spark, self.layout.root)
+        self.records = Records(self.state)
+        self._replay = self.state.replay_candidate()
+        self._started = True
+
+    def previous(self, batch_id: int) -> BatchRecord | None:
+        record = self.records.before(batch_id)
+        if record is not None and record.job_fingerprint != self.job.fingerprint():
+            raise CheckpointCorruptError(
+                f"checkpoint {self.layout.root} was written by a different shape of job {self.job.name} "
+                "(keys, window or aggregates changed); start from a new checkpoint or migrate the state"
+            )
+        return record
+
+    def commit(self, batch_id: int, watermark_out: int) -> Commit:
+        return Commit(self._prefix, batch_id, {"lakestream.job": self.job.name, WATERMARK_KEY: str(watermark_out)})
+
+    def write(self, outputs: list[Output], commit: Commit, batch_id: int) -> dict[str, TableWrite]:
+        """Commit every output with rows, concurrently (one Spark job and one table commit each)."""
+        replay = batch_id == self._replay
+        todo = [o for o in outputs if o.rows]
+
+        def one(o: Output) -> None:
+            if o.upsert_keys:
+                o.sink.upsert(o.frame, o.upsert_keys, commit, may_exist=replay)
+            else:
+                o.sink.append(o.frame, commit, may_exist=replay)
+            self._fault(f"committed:{o.sink.table.name}", commit.version)
+
+        if len(todo) > 1:
+            with ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix=f"commit-{self.job.name}") as pool:
+                for future in [pool.submit(one, o) for o in todo]:
+                    future.result()
+        elif todo:
+            one(todo[0])
+        return {o.sink.table.name: TableWrite(o.rows - o.deleted, o.deleted, o.first_ms, o.last_ms) for o in todo}
+
+    def finish(self, batch_id: int, stats: BatchStats, previous: BatchRecord | None, tables: dict[str, TableWrite],
+               started: float, **record) -> None:
+        self._fault("before-state", batch_id)
+        totals = previous.totals.plus(stats) if previous is not None else stats
+        done = BatchRecord(batch_id=batch_id, stats=stats, totals=totals, job_fingerprint=self.job.fingerprint(),
+                           job_shape=self.job.shape(), **record)
+        self.state.save(done)
+        if previous is not None:
+            self.state.delete_files(previous.removed)  # no replay can need them any more
+        self.records.committed(done)
+        self._fault("after-state", batch_id)
+        report = self.report
+        visible = stats.lines or stats.rows_written or stats.rows_deleted or stats.late or isinstance(self.job, KeyedJob)
+        if visible:  # a batch that only completes the firing of the previous one is not a batch of its own
+            report.batches += 1
+            report.stats = report.stats.plus(stats) if report.batches > 1 else stats
+        report.totals = totals
+        state_rows = sum((record.get("state_rows") or {}).values()) if record.get("state_rows") else None
+        report.last = BatchResult(self.job.name, batch_id, stats, time.perf_counter() - started, tables,
+                                  int(time.time() * 1000), state_rows)
+        report.batch_done.set()
+        if self.progress and visible:
+            self.progress(report.last)
+
+
 class WindowedHandler(_Handler):
-    """``foreachBatch`` of a windowed job: the engine's plan, then the commits, then its state."""
+    """``foreachBatch`` of a windowed job: the engine's batch over the incremental store, then the commits."""
 
     job: WindowedJob
+
+    def __init__(self, *args, store_schemas: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.store_schemas = store_schemas
 
     def __call__(self, raw: DataFrame, batch_id: int) -> None:
         spark = raw.sparkSession
         started = t = time.perf_counter()
         timed = self.report.timed
         # foreachBatch runs in the stream's session clone, where Spark turns AQE off for the sake of
-        # stateful operators. Our batch plans keep no Spark state, so adaptive execution is safe here.
+        # stateful operators. A windowed job's stream has none, so adaptive execution is safe here.
         spark.conf.set("spark.sql.adaptive.enabled", "true")
+        # Observed metrics (counts taken while writing) must survive an empty batch: AQE would replace an
+        # empty subtree, and the metrics node with it, by an empty relation.
+        spark.conf.set("spark.sql.adaptive.optimizer.excludedRules",
+                       "org.apache.spark.sql.execution.adaptive.AQEPropagateEmptyRelation")
+        self._start(spark)
         job = self.job
-        state = EngineState(spark, self.checkpoint)
-        loaded = state.load_before(batch_id)
-        if loaded.record is not None and loaded.record.job_fingerprint != job.fingerprint():
-            raise CheckpointCorruptError(
-                f"checkpoint {self.checkpoint} was written by a different shape of job {job.name} "
-                "(keys, window or aggregates changed); start from a new checkpoint or migrate the state"
-            )
-        watermark_in = loaded.record.watermark_ms if loaded.record else NEG_INF_MS
-        plan = plan_batch(job, raw, watermark_in_ms=watermark_in, open_windows=loaded.open_windows,
-                          seen_keys=loaded.seen_keys)
-        t = timed("load state", t)
+        previous = self.previous(batch_id)
+        w_in = watermark_of(previous)
+        store = Store(spark, self.layout, previous.store if previous is not None else None, self.store_schemas)
+        batch = plan_batch(job, raw, watermark_in_ms=w_in, store=store, batch_id=batch_id)
+        rows = None
         try:
-            stats = plan.stats()
+            stats = batch.stats()
+            w_out = batch.next_watermark()
             t = timed("parse + stats", t)
-            watermark_out = plan.next_watermark()
-            out = plan.finish(watermark_out)
-            written = out.written.persist(StorageLevel.MEMORY_AND_DISK)
-            deletes = [F.count(F.when(F.col(OP) == "delete", 1)).alias("deleted")] if OP in written.columns else []
-            span = _range(written, "window_start", deletes)
-            t = timed("aggregate windows", t)
-            commit = self._commit(spark, batch_id, watermark_out)
-            replay = state.has_intent(batch_id)
-            if stats.quarantined or stats.late or span["n"]:
-                state.mark_intent(batch_id)
-            tables: dict[str, TableWrite] = {}
-            for source, count in plan.quarantined_by_source.items():
-                if count:  # a stream reads each file once: an idempotent append suffices
-                    sink = self.sinks.quarantine[source]
-                    self._write(sink, plan.quarantine(source), commit, replay)
-                    tables[sink.table.name] = TableWrite(count)
-            if stats.late:
-                self._write(self.sinks.late, plan.late(), commit, replay)
-                late = _range(plan.late(), "window_start")
-                tables[self.sinks.late.table.name] = TableWrite(stats.late, 0, late["lo"], late["hi"])
-            t = timed("commit quarantine + late", t)
-            deleted = span.get("deleted", 0) or 0
-            if span["n"]:
-                keys = [*job.keys, "window_start"] if job.upserts else None
-                self._write(self.sinks.main, written, commit, replay, upsert_keys=keys)
-                tables[self.sinks.main.table.name] = TableWrite(span["n"] - deleted, deleted, span["lo"], span["hi"])
-            t = timed("commit windows", t)
-            stats = BatchStats(**{**stats.__dict__, "rows_written": span["n"] - deleted, "rows_deleted": deleted,
-                                  "watermark_out_ms": watermark_out})
-            self._finish(state, batch_id, stats, loaded.record, tables, started, out.open_windows, out.seen_keys)
-            timed("save state", t)
-            written.unpersist()
+            fired = batch.fire(w_out)
+            new_files = store.write(batch_id, fired.store)
+            events = sum(f.rows for f in new_files if f.kind == "ids")
+            t = timed("dedup + windows + store", t)
+            outputs = [Output(self.sinks.quarantine[s], batch.quarantine(s), n)
+                       for s, n in batch.quarantined_by_source.items()]
+            n_late = 0
+            if batch.may_be_late():  # only a batch with events behind the watermark counts its late rows
+                late = batch.cache(batch.late())
+                span = _span(late, "window_start")
+                n_late = span["n"]
+                outputs.append(Output(self.sinks.late, late, n_late, 0, span["lo"], span["hi"]))
+            written = deleted = 0
+            if fired.rows is not None:
+                rows = fired.rows.persist(StorageLevel.MEMORY_AND_DISK)
+                extra = [F.count(F.when(F.col(OP) == "delete", 1)).alias("deleted")] if OP in rows.columns else []
+                span = _span(rows, "window_start", *extra)
+                deleted = span.get("deleted") or 0
+                written = span["n"] - deleted
+                outputs.append(Output(self.sinks.main, rows, span["n"], deleted, span["lo"], span["hi"],
+                                      [*job.keys, "window_start"] if job.upserts else None))
+            t = timed("fire windows", t)
+            tables = self.write(outputs, self.commit(batch_id, w_out), batch_id)
+            t = timed("commits", t)
+            from .engine import maintain
+
+            manifest, removed = maintain(spark, job, store, new_files, batch_id, w_out, batch.types())
+            stats = replace(stats, events=events, duplicates=stats.events - events, late=n_late,
+                            rows_written=written, rows_deleted=deleted, watermark_out_ms=w_out)
+            self.finish(batch_id, stats, previous, tables, started, store=manifest, removed=tuple(removed),
+                        state_rows=manifest.rows())
+            timed("store + record", t)
         finally:
-            plan.release()
+            if rows is not None:
+                rows.unpersist()
+            batch.release()
 
 
 class KeyedHandler(_Handler):
@@ -211,24 +270,15 @@ class KeyedHandler(_Handler):
         super().__init__(*args, **kwargs)
         self.main_schema = main_schema
 
-    def batch_watermark(self, spark, batch_id: int) -> int:
-        """The watermark Spark used for ``batch_id`` (its offset-log entry; 0 before any event)."""
-        text = HadoopFS(spark).read_text(f"{self.checkpoint}/offsets/{batch_id}")
-        try:
-            return int(json.loads(text.splitlines()[1]).get("batchWatermarkMs", 0))
-        except (ValueError, IndexError):
-            raise CheckpointCorruptError(f"{self.checkpoint}/offsets/{batch_id} is unreadable") from None
-
     def __call__(self, frame: DataFrame, batch_id: int) -> None:
         from .keyed.spark import split
 
         spark = frame.sparkSession
         started = t = time.perf_counter()
         timed = self.report.timed
+        self._start(spark)
         job = self.job
-        state = EngineState(spark, self.checkpoint)
-        previous = state.latest_record_before(batch_id)
-        watermark_in = self.batch_watermark(spark, batch_id)
+        previous = self.previous(batch_id)
         frame = frame.persist(StorageLevel.MEMORY_AND_DISK)
         try:
             row = frame.agg(
@@ -238,39 +288,31 @@ class KeyedHandler(_Handler):
                 F.coalesce(F.sum("_s_in"), F.lit(0)).alias("inputs"),
                 F.coalesce(F.sum("_s_dup"), F.lit(0)).alias("dups"),
                 F.max("_s_max_t").alias("max_t"),
+                F.max("_s_wm").alias("wm"),
+                F.min(F.when(F.col("_kind") == "out", F.unix_millis(F.col(f"_o_{job.time_column}")))).alias("out_lo"),
+                F.max(F.when(F.col("_kind") == "out", F.unix_millis(F.col(f"_o_{job.time_column}")))).alias("out_hi"),
+                F.min(F.when(F.col("_kind") == "late", F.col("_l_t"))).alias("late_lo"),
+                F.max(F.when(F.col("_kind") == "late", F.col("_l_t"))).alias("late_hi"),
                 *[F.count(F.when((F.col("_kind") == "q") & (F.col("_q_src") == s.name), 1)).alias(f"q_{s.name}")
                   for s in job.sources],
             ).first()
             t = timed("state function", t)
+            watermark_in = watermark_of(previous) if row["wm"] is None else int(row["wm"])
             max_t = row["max_t"]
             watermark_out = watermark_in if max_t is None else max(watermark_in, max_t - job.watermark.out_of_orderness_ms)
             parts = split(job, frame, self.main_schema, watermark_in)
-            commit = self._commit(spark, batch_id, watermark_out)
-            replay = state.has_intent(batch_id)
-            if row["out"] or row["late"] or row["bad"]:
-                state.mark_intent(batch_id)
-            tables: dict[str, TableWrite] = {}
-            for source in job.sources:
-                if row[f"q_{source.name}"]:
-                    sink = self.sinks.quarantine[source.name]
-                    self._write(sink, parts[f"quarantine:{source.name}"], commit, replay)
-                    tables[sink.table.name] = TableWrite(row[f"q_{source.name}"])
-            if row["late"]:
-                self._write(self.sinks.late, parts["late"], commit, replay)
-                late = _range(parts["late"], job.source.event_time)
-                tables[self.sinks.late.table.name] = TableWrite(row["late"], 0, late["lo"], late["hi"])
-            if row["out"]:
-                span = _range(parts["main"], job.time_column)
-                self._write(self.sinks.main, parts["main"], commit, replay)
-                tables[self.sinks.main.table.name] = TableWrite(row["out"], 0, span["lo"], span["hi"])
+            outputs = [Output(self.sinks.quarantine[s.name], parts[f"quarantine:{s.name}"], row[f"q_{s.name}"])
+                       for s in job.sources]
+            outputs.append(Output(self.sinks.late, parts["late"], row["late"], 0, row["late_lo"], row["late_hi"]))
+            outputs.append(Output(self.sinks.main, parts["main"], row["out"], 0, row["out_lo"], row["out_hi"]))
+            tables = self.write(outputs, self.commit(batch_id, watermark_out), batch_id)
             t = timed("commits", t)
             stats = BatchStats(
                 lines=row["inputs"] + row["bad"], quarantined=row["bad"], events=row["inputs"] - row["dups"],
                 duplicates=row["dups"], late=row["late"], rows_written=row["out"], max_event_time_ms=max_t,
                 watermark_in_ms=watermark_in, watermark_out_ms=watermark_out,
             )
-            state_bytes = HadoopFS(spark).size(f"{self.checkpoint}/state")
-            self._finish(state, batch_id, stats, previous, tables, started, state_bytes=state_bytes)
+            self.finish(batch_id, stats, previous, tables, started)
             timed("save record", t)
         finally:
             frame.unpersist()

@@ -27,6 +27,7 @@ from .engine import NEG_INF_MS, POS_INF_MS, SOURCE
 from .errors import ConfigError
 from .handlers import BatchResult, FaultFn, KeyedHandler, ProgressFn, StreamReport, WindowedHandler
 from .hadoopfs import HadoopFS
+from .layout import Layout
 from .keyed.function import PROCESSING_TIME
 from .settings import Settings
 from .tables import job_sinks
@@ -39,8 +40,9 @@ class StreamControl:
 
     def __init__(self, spark, checkpoint: str):
         self._fs = HadoopFS(spark)
-        self.running_path = f"{checkpoint}/lakestream/running"
-        self.stop_path = f"{checkpoint}/lakestream/stop-request"
+        layout = Layout(checkpoint)
+        self.running_path = layout.running
+        self.stop_path = layout.stop_request
 
     def mark_running(self, query_id: str | None) -> None:
         self._fs.delete(self.stop_path)  # a request addressed to an earlier run is void
@@ -114,7 +116,7 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
     """Start the job's streaming query; returns ``(query, report)``."""
     checkpoint = settings.checkpoint_dir(job.name)
     fs = HadoopFS(spark)
-    if fs.exists(f"{checkpoint}/metadata"):
+    if fs.exists(Layout(checkpoint).metadata):
         from .compat import check_resume
 
         check_resume(spark, job, checkpoint, int(spark.conf.get("spark.sql.shuffle.partitions")))
@@ -123,12 +125,16 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
     report = StreamReport(job=job.name)
     if isinstance(job, KeyedJob):
         from .engine import parse_sources
-        from .keyed.spark import schemas, stream_frame
+        from .keyed.spark import stream_frame
 
         stream = stream_frame(job, parse_sources(job, raw))
-        handler = KeyedHandler(job, checkpoint, sinks, progress, report, fault, main_schema=schemas(spark, job)[0])
+        handler = KeyedHandler(job, checkpoint, sinks, progress, report, fault, main_schema=sinks.schemas["main"])
     else:
-        stream, handler = raw, WindowedHandler(job, checkpoint, sinks, progress, report, fault)
+        from .tables import store_schemas
+
+        stream = raw
+        handler = WindowedHandler(job, checkpoint, sinks, progress, report, fault,
+                                  store_schemas=store_schemas(spark, job))
     writer = stream.writeStream.queryName(job.name).option("checkpointLocation", checkpoint).foreachBatch(handler)
     interval = settings.job(job.name).trigger_interval
     if available_now and not _polls(job):

@@ -29,6 +29,7 @@ from .compat import differences, refuse, stored_shuffle_partitions
 from .declaration import Job, Table
 from .errors import SavepointError
 from .hadoopfs import HadoopFS
+from .layout import Layout, numbered, offset_sources
 from .runner import StreamControl
 from .settings import Settings
 from .sinks import sink_for
@@ -118,12 +119,13 @@ class Savepoints:
     # -- create --------------------------------------------------------------------------
     def create(self, job: Job, *, timeout_s: float = 600.0, keep: int | None = None) -> Savepoint:
         checkpoint = self.settings.checkpoint_dir(job.name)
-        if not self.fs.exists(f"{checkpoint}/metadata"):
+        layout = Layout(checkpoint)
+        if not self.fs.exists(layout.metadata):
             raise SavepointError(f"{job.name} has no checkpoint at {checkpoint} yet; run it before taking a savepoint")
         self._stop_running(job, checkpoint, timeout_s)
         # The savepoint's batch is the last one Spark recorded as committed; a batch planned after
         # it (interrupted by the stop) is replayed after a restore, exactly-once like any other.
-        committed = sorted(int(n) for n in self.fs.list_names(f"{checkpoint}/commits") if n.isdigit())
+        committed = numbered(self.fs.list_names(layout.commits))
         batch_id = committed[-1] if committed else -1
         record = EngineState(self.spark, checkpoint).latest_record_before(batch_id + 1)
         now = datetime.now(timezone.utc)
@@ -131,8 +133,9 @@ class Savepoints:
         path = f"{self.folder(job.name)}/{savepoint_id}"
         self.say(f"copying {checkpoint} -> {path}/checkpoint")
         self._copy(checkpoint, f"{path}/checkpoint")
-        for transient in ("running", "stop-request"):
-            self.fs.delete(f"{path}/checkpoint/lakestream/{transient}")
+        copy = Layout(f"{path}/checkpoint")
+        for transient in (copy.running, copy.stop_request):
+            self.fs.delete(transient)
         manifest = self._manifest(job, savepoint_id, checkpoint, record, batch_id, now)
         self.fs.write_text(f"{path}/{MANIFEST}", json.dumps(manifest, indent=1))
         savepoint = Savepoint(savepoint_id, job.name, path, manifest)
@@ -177,11 +180,11 @@ class Savepoints:
             raise SavepointError(f"could not copy {source} to {target}")
 
     def _manifest(self, job: Job, savepoint_id: str, checkpoint: str, record, batch_id: int, now: datetime) -> dict:
-        offsets = sorted(int(n) for n in self.fs.list_names(f"{checkpoint}/offsets") if n.isdigit())
+        layout = Layout(checkpoint)
+        offsets = numbered(self.fs.list_names(layout.offsets))
         source_offset = None
         if offsets:
-            lines = self.fs.read_text(f"{checkpoint}/offsets/{offsets[-1]}").splitlines()
-            source_offset = [json.loads(line) if line.strip() not in ("", "-") else None for line in lines[2:]]
+            source_offset = offset_sources(self.fs.read_text(layout.offset(offsets[-1])), layout.offset(offsets[-1]))
         return {
             "id": savepoint_id,
             "job": job.name,
@@ -194,9 +197,7 @@ class Savepoints:
                        "last_planned_batch": offsets[-1] if offsets else None},
             "format": self.settings.format_of(job.name),
             "tables": {t.name: sink_for(self.spark, self.settings, t, job.name).version() for t in all_tables(job)},
-            "state": {"fingerprint": job.fingerprint(), "shape": job.shape(),
-                      "windows_schema": record.windows_schema if record else None,
-                      "seen_schema": record.seen_schema if record else None},
+            "state": {"fingerprint": job.fingerprint(), "shape": job.shape()},
             "keys": list(job.keys),
             "shuffle_partitions": stored_shuffle_partitions(self.fs, checkpoint),
             "spark_version": self.spark.version,
@@ -219,7 +220,7 @@ class Savepoints:
         self._copy(savepoint.checkpoint, staged)
         # A new commit-id epoch: batches re-run from here must not match the commits rolled back below.
         restored_at = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-        self.fs.write_text(f"{staged}/lakestream/epoch", f"restored-{savepoint_id}-{restored_at}")
+        self.fs.write_text(Layout(staged).epoch, f"restored-{savepoint_id}-{restored_at}")
         # 2. the tables
         for sink, version in rollbacks:
             if version is None:
@@ -255,7 +256,7 @@ class Savepoints:
                 f"{job.name} is running (pid {running.get('pid')} on {running.get('host')}); stop it first, e.g. "
                 f"`lakestream savepoint create {job.name}`"
             )
-        if not self.fs.exists(f"{savepoint.checkpoint}/metadata"):
+        if not self.fs.exists(Layout(savepoint.checkpoint).metadata):
             raise SavepointError(f"savepoint {savepoint_id} has no checkpoint copy at {savepoint.checkpoint} "
                                  "(incomplete or damaged); choose another one (`lakestream savepoint list`)")
         rollbacks = []

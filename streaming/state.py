@@ -1,35 +1,30 @@
-"""The engine's own state, kept inside the Spark checkpoint folder (``<checkpoint>/lakestream``).
+"""The engine's batch records, kept inside the Spark checkpoint (see ``layout``).
 
-Layout, one set per micro-batch ``N`` (the two latest are kept)::
+One JSON record per micro-batch ``N`` (the two newest are kept): its statistics, the stream's
+totals, the watermark before and after it, the job's shape, and — for windowed jobs — the manifest
+of the incremental store after it. The record is written last, after every table commit and the
+store's files: it marks batch N complete on lakestream's side. Batch N always starts from the
+newest record *below* N, so a batch Spark replays after a crash recomputes exactly the same outputs
+(it reads the same input files), which is what makes the sinks exactly-once.
 
-    lakestream/batches/N.json      batch record: watermark in/out, statistics, state schemas
-    lakestream/windows/N/          open windows (partial aggregates) after batch N, Parquet
-    lakestream/seen/N/             dedup keys still remembered after batch N, Parquet
-    lakestream/intents/N           written before batch N's first table commit
-
-Keyed jobs keep their state in Spark's state store and write only the batch records here.
-
-The JSON record is written last: it marks batch N's state complete. The intent marker tells a
-replay whether batch N may already have committed to some table (only then are the tables'
-snapshot logs searched for the batch's commit id). Batch N always starts from
-the newest record *below* N, so replaying a batch after a crash recomputes exactly the same
-outputs (Spark replays the same input files), which is what makes the sinks exactly-once.
+Records are read when a stream starts (one listing), then kept in memory: a running stream reads
+nothing back between batches. Whether a batch may be a replay is known at start too: Spark replays
+only the batch it had planned but not committed when it stopped.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-from pyspark.sql import DataFrame
-from pyspark.sql import types as T
-
-from .engine import BatchStats
+from .engine import NEG_INF_MS, BatchStats
 from .errors import CheckpointCorruptError, IncompatibleStateError
 from .hadoopfs import HadoopFS
+from .layout import Layout, last_planned_and_committed
+from .store import Manifest
 
 KEEP_BATCHES = 2
-FORMAT = 2  # 2: windows carry _fired/_in_sink, remembered keys a string `key`, several sources
+FORMAT = 3  # 3: incremental store (ids, pieces, evals); keyed state in buckets of keys
 
 
 @dataclass(frozen=True)
@@ -37,60 +32,61 @@ class BatchRecord:
     batch_id: int
     stats: BatchStats
     totals: BatchStats  # cumulative over the stream's life, this batch included
-    windows_schema: str | None
-    seen_schema: str | None
     job_fingerprint: str
-    job_shape: dict | None = None  # keys, window, aggregates (absent in records of older versions)
+    job_shape: dict | None = None
+    store: Manifest = field(default_factory=Manifest)
+    removed: tuple[str, ...] = ()  # store files this batch dropped (deleted once the next batch is recorded)
+    state_rows: dict | None = None  # what the stream remembers after the batch (ids, open window pieces, keys)
     format: int = FORMAT
 
     @property
     def watermark_ms(self) -> int:
         return self.stats.watermark_out_ms
 
+    def to_json(self) -> str:
+        data = {
+            "format": self.format, "batch_id": self.batch_id, "stats": asdict(self.stats), "totals": asdict(self.totals),
+            "job_fingerprint": self.job_fingerprint, "job_shape": self.job_shape, "store": self.store.to_json(),
+            "removed": list(self.removed), "state_rows": self.state_rows,
+        }
+        return json.dumps(data, indent=1)
 
-@dataclass(frozen=True)
-class LoadedState:
-    record: BatchRecord | None
-    open_windows: DataFrame | None
-    seen_keys: DataFrame | None
+
+def parse_record(text: str, path: str) -> BatchRecord:
+    try:
+        data = json.loads(text)
+        if data.get("format", 1) != FORMAT:
+            raise IncompatibleStateError(
+                f"{path} was written by an older lakestream (engine state format {data.get('format', 1)}, this version "
+                f"uses {FORMAT}) whose state it cannot read: move the checkpoint folder away to start over, then "
+                "backfill the tables (lakestream backfill JOB --start ... --end ...)"
+            )
+        return BatchRecord(
+            batch_id=data["batch_id"], stats=BatchStats(**data["stats"]), totals=BatchStats(**data["totals"]),
+            job_fingerprint=data["job_fingerprint"], job_shape=data.get("job_shape"),
+            store=Manifest.from_json(data.get("store")), removed=tuple(data.get("removed") or ()),
+            state_rows=data.get("state_rows"), format=data["format"],
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointCorruptError(
+            f"batch record {path} is unreadable ({exc}); restore a savepoint or delete the checkpoint to start over"
+        ) from None
 
 
 class EngineState:
+    """The records of one job's checkpoint, read through Spark's file system (any URI Spark reads)."""
+
     def __init__(self, spark, checkpoint_dir: str):
-        self._spark = spark
         self._fs = HadoopFS(spark)
-        self.root = f"{checkpoint_dir.rstrip('/')}/lakestream"
+        self.layout = Layout(checkpoint_dir)
 
     def batch_ids(self) -> list[int]:
-        ids = []
-        for name in self._fs.list_names(f"{self.root}/batches"):
-            if name.endswith(".json") and name[:-5].isdigit():
-                ids.append(int(name[:-5]))
-        return sorted(ids)
+        return sorted(int(n[:-5]) for n in self._fs.list_names(self.layout.batches) if n.endswith(".json")
+                      and n[:-5].isdigit())
 
     def read_record(self, batch_id: int) -> BatchRecord:
-        path = f"{self.root}/batches/{batch_id}.json"
-        try:
-            data = json.loads(self._fs.read_text(path))
-            if data.get("format", 1) != FORMAT:
-                raise IncompatibleStateError(
-                    f"{path} was written by an older lakestream (engine state format {data.get('format', 1)}, this "
-                    f"version uses {FORMAT}); move {self.root.rsplit('/', 1)[0]} away to start over and backfill the tables"
-                )
-            return BatchRecord(
-                batch_id=data["batch_id"],
-                stats=BatchStats(**data["stats"]),
-                totals=BatchStats(**data["totals"]),
-                windows_schema=data["windows_schema"],
-                seen_schema=data["seen_schema"],
-                job_fingerprint=data["job_fingerprint"],
-                job_shape=data.get("job_shape"),
-                format=data.get("format", 1),
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointCorruptError(
-                f"batch record {path} is unreadable ({exc}); restore a savepoint or delete the checkpoint to start over"
-            ) from None
+        path = self.layout.record(batch_id)
+        return parse_record(self._fs.read_text(path), path)
 
     def latest_record(self) -> BatchRecord | None:
         ids = self.batch_ids()
@@ -100,58 +96,55 @@ class EngineState:
         earlier = [i for i in self.batch_ids() if i < batch_id]
         return self.read_record(earlier[-1]) if earlier else None
 
-    def load_before(self, batch_id: int) -> LoadedState:
-        earlier = [i for i in self.batch_ids() if i < batch_id]
-        if not earlier:
-            return LoadedState(None, None, None)
-        record = self.read_record(earlier[-1])
-        if record.windows_schema is None:
-            return LoadedState(record, None, None)
-        read = self._spark.read
-        windows = read.schema(T.StructType.fromJson(json.loads(record.windows_schema))).parquet(
-            f"{self.root}/windows/{record.batch_id}"
-        )
-        seen = read.schema(T.StructType.fromJson(json.loads(record.seen_schema))).parquet(
-            f"{self.root}/seen/{record.batch_id}"
-        )
-        return LoadedState(record, windows, seen)
+    def refuse_legacy(self) -> None:
+        """A checkpoint of a version before the incremental store cannot be resumed: say so once, clearly."""
+        if any(self._fs.exists(p) for p in self.layout.legacy()):
+            raise IncompatibleStateError(
+                f"{self.layout.root} holds engine state of an older lakestream (open windows and remembered ids as "
+                "whole Parquet copies) that this version does not read: move the checkpoint folder away to start "
+                "over, then backfill the tables (lakestream backfill JOB --start ... --end ...)"
+            )
 
-    def has_intent(self, batch_id: int) -> bool:
-        return self._fs.exists(f"{self.root}/intents/{batch_id}")
+    def replay_candidate(self) -> int | None:
+        """The batch Spark will replay when the stream starts (planned but not committed), if any."""
+        planned, committed = last_planned_and_committed(self._fs, self.layout)
+        if planned is not None and (committed is None or planned > committed):
+            return planned
+        return None
 
-    def mark_intent(self, batch_id: int) -> None:
-        self._fs.write_text(f"{self.root}/intents/{batch_id}", "")
+    def save(self, record: BatchRecord) -> None:
+        """Write the record of a batch, then forget what is no longer needed: the record two batches
+        back and the store files the previous batch dropped (a replay can no longer need them)."""
+        self._fs.write_text(self.layout.record(record.batch_id), record.to_json())
+        self._fs.delete(self.layout.record(record.batch_id - KEEP_BATCHES))
 
-    def save(
-        self,
-        batch_id: int,
-        stats: BatchStats,
-        totals: BatchStats,
-        open_windows: DataFrame | None,
-        seen_keys: DataFrame | None,
-        fingerprint: str,
-        shape: dict | None = None,
-        state_bytes: int | None = None,
-    ) -> None:
-        """Record batch ``batch_id`` (and, for windowed jobs, its open windows and remembered keys)."""
-        if open_windows is not None:
-            open_windows.write.mode("overwrite").parquet(f"{self.root}/windows/{batch_id}")
-        if seen_keys is not None:
-            seen_keys.write.mode("overwrite").parquet(f"{self.root}/seen/{batch_id}")
-        record = {
-            "format": FORMAT,
-            "batch_id": batch_id,
-            "stats": asdict(stats),
-            "totals": asdict(totals),
-            "windows_schema": open_windows.schema.json() if open_windows is not None else None,
-            "seen_schema": seen_keys.schema.json() if seen_keys is not None else None,
-            "job_fingerprint": fingerprint,
-            "job_shape": shape,
-            "state_bytes": state_bytes,  # keyed jobs: Spark's state store on disk after the batch
-        }
-        self._fs.write_text(f"{self.root}/batches/{batch_id}.json", json.dumps(record, indent=1))
-        for old in self.batch_ids()[:-KEEP_BATCHES]:
-            for part in ("windows", "seen"):
-                self._fs.delete(f"{self.root}/{part}/{old}")
-            self._fs.delete(f"{self.root}/batches/{old}.json")
-            self._fs.delete(f"{self.root}/intents/{old}")
+    def delete_files(self, paths) -> None:
+        for path in paths:
+            self._fs.delete(path)
+
+
+class Records:
+    """The newest record before the running batch, held in memory while a stream runs."""
+
+    def __init__(self, state: EngineState):
+        self.state = state
+        self._last: BatchRecord | None = None
+        self._loaded_for: int | None = None
+
+    def before(self, batch_id: int) -> BatchRecord | None:
+        if self._last is not None and self._last.batch_id == batch_id - 1:
+            return self._last
+        if self._loaded_for != batch_id:  # the first batch of this run (or a replay): read once
+            self.state.refuse_legacy()
+            self._last = self.state.latest_record_before(batch_id)
+            self._loaded_for = batch_id
+        return self._last
+
+    def committed(self, record: BatchRecord) -> None:
+        self._last = record
+        self._loaded_for = record.batch_id + 1
+
+
+def watermark_of(record: BatchRecord | None) -> int:
+    return record.watermark_ms if record is not None else NEG_INF_MS
+

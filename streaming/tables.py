@@ -64,16 +64,55 @@ def check_job(spark, job: Job) -> None:
     validate(spark, job, empty_events(spark, job))
 
 
+def transformed_schema(spark, job: Job) -> T.StructType:
+    """The columns the job's transform produces (Spark analyses it; no Spark job runs)."""
+    from .validation import transformed
+
+    return transformed(job, empty_events(spark, job)).schema
+
+
+def late_schema(job: Job, transformed: T.StructType) -> T.StructType:
+    """The late side output, one schema for every job: the event's keys, id and time, the window it
+    missed (windowed jobs), the watermark and by how much, where it came from, the event as JSON."""
+    return T.StructType(
+        [T.StructField(k, transformed[k].dataType) for k in job.keys]
+        + [T.StructField(job.source.dedup_key, transformed[job.source.dedup_key].dataType),
+           T.StructField(job.source.event_time, T.TimestampType()),
+           T.StructField("window_start", T.TimestampType()), T.StructField("window_end", T.TimestampType()),
+           T.StructField("watermark_ms", T.LongType()), T.StructField("late_by_ms", T.LongType()),
+           T.StructField("source", T.StringType()), T.StructField("source_file", T.StringType()),
+           T.StructField("event", T.StringType())]
+    )
+
+
+def windowed_fields(job: Job, transformed: T.StructType) -> tuple[list[T.StructField], list[T.StructField]]:
+    """(key fields, aggregate fields) of a windowed job."""
+    from .engine import aggregate_type
+
+    keys = [T.StructField(k, transformed[k].dataType) for k in job.keys]
+    return keys, [T.StructField(a.name, aggregate_type(a, transformed)) for a in job.aggregates]
+
+
+def store_schemas(spark, job: Job) -> dict[str, T.StructType]:
+    """The incremental store's row schemas of a windowed job (see ``store``)."""
+    keys, aggs = windowed_fields(job, transformed_schema(spark, job))
+    window = [T.StructField("ws", T.LongType()), T.StructField("we", T.LongType())]
+    pieces = T.StructType(keys + window + aggs)
+    evals = T.StructType(pieces.fields + [T.StructField("passing", T.BooleanType()), T.StructField("_gone", T.BooleanType()),
+                                          T.StructField("_batch", T.LongType())])
+    return {"pieces": pieces, "evals": evals}
+
+
 def _schemas(spark, job: Job) -> tuple[T.StructType, T.StructType]:
+    """(main table, late side output), declared from the job and its transform's columns."""
     check_job(spark, job)
+    transformed = transformed_schema(spark, job)
     if isinstance(job, KeyedJob):
-        from .keyed.spark import schemas
-
-        return schemas(spark, job)
-    from .engine import plan_batch
-
-    plan = plan_batch(job, spark.createDataFrame([], RAW_SCHEMA), bounded=True)
-    return plan.finish(0).written.schema, plan.late().schema
+        return T._parse_datatype_string(job.output), late_schema(job, transformed)  # noqa: SLF001 - Spark's DDL parser
+    keys, aggs = windowed_fields(job, transformed)
+    main = T.StructType(keys + [T.StructField("window_start", T.TimestampType()),
+                                T.StructField("window_end", T.TimestampType())] + aggs)
+    return main, late_schema(job, transformed)
 
 
 def specs(spark, job: Job) -> list[TableSpec]:
@@ -93,6 +132,7 @@ class JobSinks:
     main: Sink
     late: Sink
     quarantine: dict[str, Sink]  # per source name
+    schemas: dict[str, T.StructType] | None = None  # main, late (when the tables were ensured)
 
     def all(self) -> list[Sink]:
         return [self.main, self.late, *self.quarantine.values()]
@@ -102,16 +142,18 @@ def job_sinks(spark, settings: Settings, job: Job, *, create: bool = True) -> Jo
     """The sinks of ``job`` in the configured format, created if missing."""
     made: dict[str, Sink] = {}
     quarantine: dict[str, Sink] = {}
+    schemas = {}
     for spec in _cached_specs(spark, job) if create else []:
         sink = sink_for(spark, settings, spec.table, job.name)
         sink.ensure(spec.schema, spec.partition_column, spec.comment, upserts=spec.role == "main" and job.upserts)
+        schemas[spec.role] = spec.schema
     for table, role, source in _roles(job):
         sink = sink_for(spark, settings, table, job.name)
         if role == "quarantine":
             quarantine[source] = sink
         else:
             made[role] = sink
-    return JobSinks(main=made["main"], late=made["late"], quarantine=quarantine)
+    return JobSinks(main=made["main"], late=made["late"], quarantine=quarantine, schemas=schemas or None)
 
 
 def _roles(job: Job) -> list[tuple[Table, str, str | None]]:

@@ -18,6 +18,7 @@ dropping it silently.
 from __future__ import annotations
 
 import json
+import pickle
 import time
 from datetime import date, datetime, timezone
 from decimal import Decimal
@@ -37,6 +38,8 @@ from .runtime import KeyedRuntime
 _NEVER_LATE = "_never_late"
 _STATE_SCHEMA = "blob binary"
 PAYLOAD, OUT, KEY = "_p_", "_o_", "_k_"
+BUCKET = "_bucket"
+KEY_BUCKETS = 64  # part of the state layout (a change needs a new checkpoint)
 
 
 def _transformed(job: KeyedJob, parsed: DataFrame, *, watermark: bool) -> DataFrame:
@@ -53,28 +56,14 @@ def _transformed(job: KeyedJob, parsed: DataFrame, *, watermark: bool) -> DataFr
     return out
 
 
-def _empty_parsed(spark, job: KeyedJob) -> DataFrame:
-    from ..engine import parse_sources
-    from ..tables import RAW_SCHEMA
-
-    return parse_sources(job, spark.createDataFrame([], RAW_SCHEMA))
+def main_schema(job: KeyedJob) -> T.StructType:
+    """The main table's schema: the job's declared ``output``."""
+    return T._parse_datatype_string(job.output)  # noqa: SLF001 - Spark's own DDL parser
 
 
-def schemas(spark, job: KeyedJob) -> tuple[T.StructType, T.StructType]:
-    """(main table schema, late side output schema)."""
-    main = T._parse_datatype_string(job.output)  # noqa: SLF001 - Spark's own DDL parser
-    payload = _transformed(job, _empty_parsed(spark, job), watermark=False).schema
-    late = T.StructType(
-        [T.StructField(k, payload[k].dataType) for k in job.keys]
-        + [
-            T.StructField(job.source.dedup_key, T.StringType()),
-            T.StructField(job.source.event_time, T.TimestampType()),
-            T.StructField("watermark_ms", T.LongType()),
-            T.StructField("late_by_ms", T.LongType()),
-            T.StructField("event", T.StringType()),
-        ]
-    )
-    return main, late
+def _bucket(job: KeyedJob) -> F.Column:
+    """Keys are handled in ``KEY_BUCKETS`` groups: one Python call per group and batch, not per key."""
+    return F.pmod(F.xxhash64(*[F.col(k) for k in job.keys]), F.lit(KEY_BUCKETS)).cast("int")
 
 
 def _output_schema(job: KeyedJob, main: T.StructType, payload: T.StructType) -> T.StructType:
@@ -84,7 +73,7 @@ def _output_schema(job: KeyedJob, main: T.StructType, payload: T.StructType) -> 
     fields += [T.StructField(n, t) for n, t in (
         ("_l_t", T.LongType()), ("_l_id", T.StringType()), ("_l_event", T.StringType()), ("_l_wm", T.LongType()),
         ("_q_src", T.StringType()), ("_q_file", T.StringType()), ("_q_raw", T.StringType()), ("_q_reason", T.StringType()),
-        ("_s_in", T.LongType()), ("_s_dup", T.LongType()), ("_s_max_t", T.LongType()),
+        ("_s_in", T.LongType()), ("_s_dup", T.LongType()), ("_s_max_t", T.LongType()), ("_s_wm", T.LongType()),
     )]
     return T.StructType(fields)
 
@@ -95,6 +84,7 @@ def _inputs(job: KeyedJob, parsed: DataFrame, *, stream: bool) -> tuple[DataFram
     payload = events.schema
     t_ms = F.unix_millis(F.col(job.source.event_time))
     cols = [
+        _bucket(job).alias(BUCKET),
         *[F.col(k) for k in job.keys],
         t_ms.alias("_t"),
         F.col(job.source.dedup_key).cast("string").alias("_id"),
@@ -104,6 +94,7 @@ def _inputs(job: KeyedJob, parsed: DataFrame, *, stream: bool) -> tuple[DataFram
         F.lit(None).cast("string").alias("_src"), F.lit(None).cast("string").alias("_file"),
     ]
     bad = parsed.where(F.col("_reason").isNotNull()).select(
+        F.lit(None).cast("int").alias(BUCKET),
         *[F.lit(None).cast(payload[k].dataType).alias(k) for k in job.keys],
         F.lit(None).cast("long").alias("_t"), F.lit(None).cast("string").alias("_id"),
         *[F.lit(None).cast(f.dataType).alias(PAYLOAD + f.name) for f in payload.fields],
@@ -139,6 +130,20 @@ def _kind_of(dtype: T.DataType) -> str:
     return "other"
 
 
+def _values(series: pd.Series, kind: str) -> list:
+    """A pandas column as Python values (None for nulls), vectorised where the column has no nulls."""
+    if series.isna().any():
+        return [_py(v, kind) for v in series.tolist()]
+    if kind == "timestamp":
+        return list(series.dt.tz_localize("UTC").dt.to_pydatetime()) if series.dt.tz is None else \
+            list(series.dt.tz_convert("UTC").dt.to_pydatetime())
+    if kind == "int":
+        return [int(v) for v in series.tolist()]
+    if kind == "float":
+        return [float(v) for v in series.tolist()]
+    return series.tolist()
+
+
 def _json_default(value):
     if isinstance(value, datetime):
         return value.isoformat().replace("+00:00", "Z")
@@ -148,16 +153,19 @@ def _json_default(value):
 
 
 class _Adapter:
-    """Pandas in, pandas out, around one :class:`KeyedRuntime` per Python worker."""
+    """Pandas in, pandas out, around one :class:`KeyedRuntime` per Python worker: a call handles one
+    bucket of keys, each key through the runtime with its own state (kept as bytes per key)."""
 
     def __init__(self, job: KeyedJob, payload: T.StructType, main: T.StructType, output: T.StructType):
         self.job = job
         self.payload_names = payload.names
         self.payload_kinds = [_kind_of(f.dataType) for f in payload.fields]
+        self.key_kinds = [_kind_of(payload[k].dataType) for k in job.keys]
         self.main = main
         self.output = output
         self.output_names = output.names
         self.dedup_ttl_ms = int(job.dedup_ttl.total_seconds() * 1000)
+        self.processing = job.timers == PROCESSING_TIME
         self._runtime: KeyedRuntime | None = None
 
     @property
@@ -166,29 +174,29 @@ class _Adapter:
             self._runtime = KeyedRuntime(self.job.function, self.payload_names, self.main.names, self.dedup_ttl_ms)
         return self._runtime
 
-    def events(self, pdf: pd.DataFrame | None) -> list[tuple[int, str, tuple]]:
+    def by_key(self, pdf: pd.DataFrame | None) -> dict[tuple, list[tuple[int, str, tuple]]]:
+        """The bucket's events per key, in arrival order: (event time ms, dedup key, payload row)."""
+        grouped: dict[tuple, list] = {}
         if pdf is None or pdf.empty:
-            return []
-        columns = [[_py(v, kind) for v in pdf[PAYLOAD + name].tolist()]
-                   for name, kind in zip(self.payload_names, self.payload_kinds)]
+            return grouped
+        keys = list(zip(*[_values(pdf[k], kind) for k, kind in zip(self.job.keys, self.key_kinds)]))
+        columns = [_values(pdf[PAYLOAD + name], kind) for name, kind in zip(self.payload_names, self.payload_kinds)]
         rows = list(zip(*columns)) if columns else [()] * len(pdf)
-        return list(zip((int(t) for t in pdf["_t"].tolist()), pdf["_id"].tolist(), rows))
+        for key, t, event_id, row in zip(keys, pdf["_t"].tolist(), pdf["_id"].tolist(), rows):
+            grouped.setdefault(key, []).append((int(t), event_id, row))
+        return grouped
 
     def quarantine(self, pdf: pd.DataFrame) -> pd.DataFrame:
         rows = [{"_kind": "q", "_q_src": s, "_q_file": f, "_q_raw": r, "_q_reason": why}
                 for s, f, r, why in zip(pdf["_src"], pdf["_file"], pdf["_raw"], pdf["_reason"])]
         return self.frame(rows)
 
-    def result_frame(self, key: tuple, result) -> pd.DataFrame:
+    def result_rows(self, key: tuple, result, rows: list[dict]) -> None:
         keys = {KEY + k: v for k, v in zip(self.job.keys, key)}
-        rows = [{"_kind": "out", **keys, **dict(zip((OUT + n for n in self.main.names), out))} for out in result.outputs]
+        rows += [{"_kind": "out", **keys, **dict(zip((OUT + n for n in self.main.names), out))} for out in result.outputs]
         for t, event_id, payload in result.late:
             event = json.dumps(dict(zip(self.payload_names, payload)), default=_json_default, sort_keys=True)
             rows.append({"_kind": "late", **keys, "_l_t": t, "_l_id": event_id, "_l_event": event})
-        if result.inputs:
-            rows.append({"_kind": "stats", "_s_in": result.inputs, "_s_dup": result.duplicates,
-                         "_s_max_t": result.max_event_time_ms})
-        return self.frame(rows)
 
     def frame(self, rows: list[dict]) -> pd.DataFrame:
         """Rows (dicts by output column) as a pandas frame Arrow converts to the output schema."""
@@ -197,6 +205,38 @@ class _Adapter:
             values = [row.get(f.name) for row in rows]
             columns[f.name] = _column(values, f.dataType)
         return pd.DataFrame(columns, columns=self.output_names)
+
+    def process_bucket(self, pdf: pd.DataFrame | None, saved: dict, watermark: int, now_ms: int,
+                       bounded: bool = False) -> pd.DataFrame:
+        """Run every key of the bucket that has events, or whose wake-up the watermark (or the
+        processing clock) has reached, and return its output rows and one row of statistics."""
+        events = self.by_key(pdf)
+        states, wakes, pwakes = saved.setdefault("s", {}), saved.setdefault("w", {}), saved.setdefault("p", {})
+        due = [k for k, w in wakes.items() if k not in events and (w <= watermark or (self.processing and not bounded))]
+        due += [k for k, w in pwakes.items() if k not in events and k not in due and w <= now_ms]
+        rows: list[dict] = []
+        inputs = duplicates = 0
+        max_t = None
+        for key in [*events, *due]:
+            result = self.runtime.process(key, states.get(key), events.get(key, []), watermark, now_ms, bounded=bounded)
+            inputs += result.inputs
+            duplicates += result.duplicates
+            if result.max_event_time_ms is not None:
+                max_t = result.max_event_time_ms if max_t is None else max(max_t, result.max_event_time_ms)
+            self.result_rows(key, result, rows)
+            if result.state is None:
+                for table in (states, wakes, pwakes):
+                    table.pop(key, None)
+                continue
+            states[key] = result.state
+            for table, at in ((wakes, result.wakeup_ms), (pwakes, result.processing_wakeup_ms)):
+                if at is None:
+                    table.pop(key, None)
+                else:
+                    table[key] = at
+        if inputs or rows:
+            rows.append({"_kind": "stats", "_s_in": inputs, "_s_dup": duplicates, "_s_max_t": max_t, "_s_wm": watermark})
+        return self.frame(rows)
 
 
 def _column(values: list, dtype: T.DataType):
@@ -214,75 +254,73 @@ def _column(values: list, dtype: T.DataType):
     return pd.Series(values, dtype=object)
 
 
+def _plan(job: KeyedJob, parsed: DataFrame, stream: bool):
+    main = main_schema(job)
+    frame, payload = _inputs(job, parsed, stream=stream)
+    output = _output_schema(job, main, payload)
+    return frame, output, _Adapter(job, payload, main, output)
+
+
 def stream_frame(job: KeyedJob, parsed: DataFrame) -> DataFrame:
     """The keyed streaming query's output: rows of kind out | late | q | stats."""
-    spark = parsed.sparkSession
-    main, _ = schemas(spark, job)
-    frame, payload = _inputs(job, parsed, stream=True)
-    output = _output_schema(job, main, payload)
-    adapter = _Adapter(job, payload, main, output)
+    frame, output, adapter = _plan(job, parsed, stream=True)
     processing = job.timers == PROCESSING_TIME
 
     def process(key, pdfs: Iterator[pd.DataFrame], state):
         parts = [p for p in pdfs if len(p)]
         pdf = pd.concat(parts, ignore_index=True) if parts else None
-        if all(k is None for k in key):  # invalid lines travel under the NULL key
+        if pd.isna(key[0]):  # invalid lines travel under the NULL bucket
             if pdf is not None:
                 yield adapter.quarantine(pdf)
             return
         watermark = state.getCurrentWatermarkMs()
-        blob = bytes(state.get[0]) if state.exists else None
-        result = adapter.runtime.process(tuple(key), blob, adapter.events(pdf), watermark,
-                                         state.getCurrentProcessingTimeMs())
-        if result.state is None:
+        now_ms = state.getCurrentProcessingTimeMs()
+        saved = pickle.loads(bytes(state.get[0])) if state.exists else {}
+        out = adapter.process_bucket(pdf, saved, watermark, now_ms)
+        if not saved.get("s"):
             if state.exists:
                 state.remove()
         else:
-            state.update((result.state,))
+            state.update((pickle.dumps(saved, protocol=pickle.HIGHEST_PROTOCOL),))
             if processing:
-                waits = []
-                if result.processing_wakeup_ms is not None:
-                    waits.append(result.processing_wakeup_ms - state.getCurrentProcessingTimeMs())
-                if result.wakeup_ms is not None:
-                    waits.append(1)  # poll: event time advances only with the next batch's watermark
+                waits = [w - now_ms for w in saved["p"].values()] + ([1] if saved["w"] else [])
                 if waits:
                     state.setTimeoutDuration(max(1, min(waits)))
-            elif result.wakeup_ms is not None:
-                state.setTimeoutTimestamp(max(result.wakeup_ms - 1, watermark, 1))
-        yield adapter.result_frame(tuple(key), result)
+            elif saved["w"]:
+                state.setTimeoutTimestamp(max(min(saved["w"].values()) - 1, watermark, 1))
+        yield out
 
     timeout = GroupStateTimeout.ProcessingTimeTimeout if processing else GroupStateTimeout.EventTimeTimeout
-    return frame.groupBy(*job.keys).applyInPandasWithState(process, output, _STATE_SCHEMA, "append", timeout)
+    return frame.groupBy(BUCKET).applyInPandasWithState(process, output, _STATE_SCHEMA, "append", timeout)
 
 
 def bounded_frame(job: KeyedJob, parsed: DataFrame) -> DataFrame:
     """The bounded twin: every key's whole input through the same runtime, perfect watermark."""
-    spark = parsed.sparkSession
-    main, _ = schemas(spark, job)
-    frame, payload = _inputs(job, parsed, stream=False)
-    output = _output_schema(job, main, payload)
-    adapter = _Adapter(job, payload, main, output)
+    frame, output, adapter = _plan(job, parsed, stream=False)
     started_ms = int(time.time() * 1000)
 
     def process(key, pdf: pd.DataFrame) -> pd.DataFrame:
-        if all(k is None for k in key):
+        if pd.isna(key[0]):
             return adapter.quarantine(pdf)
-        result = adapter.runtime.process(tuple(key), None, adapter.events(pdf), 0, started_ms, bounded=True)
-        return adapter.result_frame(tuple(key), result)
+        return adapter.process_bucket(pdf, {}, 0, started_ms, bounded=True)
 
-    return frame.groupBy(*job.keys).applyInPandas(process, output)
+    return frame.groupBy(BUCKET).applyInPandas(process, output)
 
 
 def split(job: KeyedJob, frame: DataFrame, main: T.StructType, watermark_ms: int | None = None) -> dict[str, DataFrame]:
-    """The runtime's output rows by destination: main, late, quarantine (per source), stats."""
+    """The runtime's output rows by destination: main, late, quarantine (per source), stats. The late
+    rows have the late-table schema every job shares (no window: a keyed element misses no window)."""
     keys = [F.col(KEY + k).alias(k) for k in job.keys]
     out = frame.where(F.col("_kind") == "out").select(*[F.col(OUT + f.name).alias(f.name) for f in main.fields])
+    source = F.lit(job.source.name) if len(job.sources) == 1 else F.get_json_object("_l_event", "$.source")
     late = frame.where(F.col("_kind") == "late").select(
         *keys,
         F.col("_l_id").alias(job.source.dedup_key),
         F.timestamp_millis(F.col("_l_t")).alias(job.source.event_time),
+        F.lit(None).cast("timestamp").alias("window_start"), F.lit(None).cast("timestamp").alias("window_end"),
         F.lit(watermark_ms).cast("long").alias("watermark_ms"),
         (F.lit(watermark_ms) - F.col("_l_t")).cast("long").alias("late_by_ms"),
+        source.alias("source"), F.get_json_object("_l_event", "$.source_file").alias("source_file"),
         F.col("_l_event").alias("event"),
     )
     bad = frame.where(F.col("_kind") == "q")

@@ -75,6 +75,14 @@ class DeltaRsSink:
         from deltalake import DeltaTable
 
         if self.exists():
+            from deltalake import Field as DeltaField, Schema as DeltaSchema
+
+            table = self._dt()
+            have = {f.name for f in table.schema().fields}
+            missing = [f for f in schema.fields if f.name not in have]
+            if missing:  # a newer lakestream adds columns (nullable) to a table an older one created
+                fields = DeltaSchema.from_arrow(to_arrow_schema(T.StructType(missing))).fields
+                table.alter.add_columns([DeltaField(f.name, f.type, nullable=True) for f in fields])
             return
         arrow = to_arrow_schema(schema)
         partition_by = None

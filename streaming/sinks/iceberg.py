@@ -70,6 +70,11 @@ class IcebergSink:
         """Create the table if missing. Tables a stream upserts into write merge-on-read: a correction
         adds a small delete file instead of rewriting the day's data files."""
         if self.exists():
+            have = {f.name for f in self.spark.table(self.table.name).schema.fields}
+            missing = [f for f in schema.fields if f.name not in have]
+            if missing:  # a newer lakestream adds columns (nullable) to a table an older one created
+                columns = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in missing)
+                self.spark.sql(f"ALTER TABLE {self.table.name} ADD COLUMNS ({columns})")
             return
         self.spark.sql(f"CREATE NAMESPACE IF NOT EXISTS {self.table.namespace}")
         columns = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in schema.fields)

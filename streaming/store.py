@@ -1,0 +1,185 @@
+"""The incremental store of a windowed stream's state, inside its checkpoint: Parquet files written
+only for what changed, read only for what a batch needs.
+
+Three kinds of rows, each batch writing one folder ``lakestream/store/<batch>/<kind>``:
+
+* ``ids`` — remembered event ids: two 64-bit hashes of the dedup key, its event-time bucket and when
+  it is forgotten (``expires_ms = max(event time, W_in) + dedup_ttl``). A batch reads only the files
+  holding the buckets of its own events (a re-delivery has the event time of the original), so the
+  cost of deduplication follows the batch, not the number of remembered ids; a file is dropped
+  whole once every id in it has expired.
+* ``pieces`` — partial aggregates of the on-time events of one batch per window (sessions: per
+  merged interval). A window's value is the combination of its pieces; a batch reads the pieces of
+  the windows that fire or are corrected, nothing else.
+* ``evals`` — session windows only: the content and the having verdict of a session when it was
+  last evaluated, so merges retract exactly the rows that are in the sink.
+
+The manifest (the list of live files with their bucket/time ranges) travels in the batch record
+(``state``), so a replayed batch starts from exactly the files its predecessor saw. Files dropped by
+batch N are deleted once batch N+1 has committed (a replay of N may still read them before).
+Small files are merged every ``COMPACT_EVERY`` files of a kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from pyspark.sql import DataFrame, Observation
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from .layout import Layout
+
+BUCKET_MS = 60_000  # event-time bucket of remembered ids
+COMPACT_EVERY = 24  # merge the files of a kind once there are this many
+KINDS = ("ids", "pieces", "evals")
+
+IDS_SCHEMA = T.StructType([
+    T.StructField("_b", T.LongType()),  # event-time bucket
+    T.StructField("_h1", T.LongType()),
+    T.StructField("_h2", T.LongType()),
+    T.StructField("_expires_ms", T.LongType()),
+])
+
+
+@dataclass(frozen=True)
+class StoreFile:
+    path: str
+    kind: str
+    batch: int
+    rows: int
+    lo: int  # ids: first bucket; pieces/evals: earliest window start (ms)
+    hi: int  # ids: last bucket; pieces/evals: latest window end (ms)
+    expires_ms: int  # ids: the last expiry; pieces/evals: latest window end (eviction adds the lateness)
+    buckets: tuple[int, ...] = ()  # ids: every bucket in the file (exact pruning)
+
+    @staticmethod
+    def of(data: dict) -> "StoreFile":
+        return StoreFile(**{**data, "buckets": tuple(data.get("buckets") or ())})
+
+
+@dataclass
+class Manifest:
+    files: list[StoreFile] = field(default_factory=list)
+
+    def of_kind(self, kind: str) -> list[StoreFile]:
+        return [f for f in self.files if f.kind == kind]
+
+    def rows(self) -> dict[str, int]:
+        return {k: sum(f.rows for f in self.of_kind(k)) for k in KINDS}
+
+    def to_json(self) -> list[dict]:
+        return [{**asdict(f), "buckets": list(f.buckets)} for f in self.files]
+
+    @staticmethod
+    def from_json(data: list | None) -> "Manifest":
+        return Manifest([StoreFile.of(d) for d in data or []])
+
+
+def id_hashes(key: F.Column) -> list[F.Column]:
+    """Two independent 64-bit hashes of the dedup key (a collision of both needs ~2^64 ids)."""
+    text = key.cast("string")
+    return [F.xxhash64(text).alias("_h1"), F.xxhash64(F.concat(text, F.lit("\u0001lakestream"))).alias("_h2")]
+
+
+def bucket_of(t_ms: F.Column) -> F.Column:
+    return F.floor(t_ms / F.lit(BUCKET_MS)).cast("long")
+
+
+class Store:
+    """Read and write one stream's store (all on Spark: files are read and written by executors)."""
+
+    def __init__(self, spark, layout: Layout, manifest: Manifest | None, schemas: dict[str, T.StructType]):
+        self.spark = spark
+        self.layout = layout
+        self.manifest = manifest or Manifest()
+        self.schemas = {"ids": IDS_SCHEMA, **schemas}
+
+    # -- reading --------------------------------------------------------------------------
+    def _read(self, kind: str, files: list[StoreFile]) -> DataFrame | None:
+        if not files:
+            return None
+        return self.spark.read.schema(self.schemas[kind]).parquet(*[f.path for f in files])
+
+    def ids(self, buckets: set[int]) -> DataFrame | None:
+        """Remembered ids whose event-time bucket is one of ``buckets``."""
+        files = [f for f in self.manifest.of_kind("ids") if buckets.intersection(f.buckets)]
+        frame = self._read("ids", files)
+        return None if frame is None else frame.where(F.col("_b").isin(sorted(buckets)))
+
+    def in_range(self, kind: str, lo_ms: int, hi_ms: int) -> DataFrame | None:
+        """Rows of ``kind`` whose window starts in ``[lo_ms, hi_ms]``."""
+        files = [f for f in self.manifest.of_kind(kind) if f.lo <= hi_ms and f.hi >= lo_ms]
+        frame = self._read(kind, files)
+        return None if frame is None else frame.where((F.col("ws") >= lo_ms) & (F.col("ws") <= hi_ms))
+
+    def ending_in(self, kind: str, lo_ms: int, hi_ms: int) -> DataFrame | None:
+        """Rows of ``kind`` whose window ends in ``(lo_ms, hi_ms]``."""
+        files = [f for f in self.manifest.of_kind(kind) if f.expires_ms > lo_ms and f.lo <= hi_ms]
+        frame = self._read(kind, files)
+        return None if frame is None else frame.where((F.col("we") > lo_ms) & (F.col("we") <= hi_ms))
+
+    def every(self, kind: str) -> DataFrame | None:
+        return self._read(kind, self.manifest.of_kind(kind))
+
+    # -- writing --------------------------------------------------------------------------
+    def write(self, batch_id: int, frames: dict[str, DataFrame], folder: str | None = None) -> list[StoreFile]:
+        """Write the frames of every kind in one Spark job, as ``<folder>/_kind=<kind>`` (default
+        ``store/<batch>``, replaced by a replay of the batch). Returns the new files; a kind without
+        rows writes nothing."""
+        base = folder or self.layout.store_batch(batch_id)
+        frames = {k: v for k, v in frames.items() if v is not None}
+        if not frames:
+            return []
+        fields: dict[str, T.DataType] = {}
+        for kind in frames:
+            for f in self.schemas[kind].fields:
+                fields.setdefault(f.name, f.dataType)
+        parts = []
+        for kind, frame in frames.items():
+            have = set(self.schemas[kind].names)
+            parts.append(frame.select(*[F.col(n) if n in have else F.lit(None).cast(t).alias(n) for n, t in fields.items()],
+                                      F.lit(kind).alias("_kind")))
+        combined = parts[0]
+        for part in parts[1:]:
+            combined = combined.unionByName(part)
+        metrics = []
+        for kind in frames:
+            mine = F.col("_kind") == kind
+            lo, hi, expires = (("_b", "_b", "_expires_ms") if kind == "ids" else ("ws", "we", "we"))
+            metrics += [F.count(F.when(mine, 1)).alias(f"{kind}_rows"), F.min(F.when(mine, F.col(lo))).alias(f"{kind}_lo"),
+                        F.max(F.when(mine, F.col(hi))).alias(f"{kind}_hi"),
+                        F.max(F.when(mine, F.col(expires))).alias(f"{kind}_expires")]
+        if "ids" in frames:
+            # (an observed array comes back as a Java object: the buckets travel as text)
+            buckets = F.sort_array(F.collect_set(F.when(F.col("_kind") == "ids", F.col("_b"))))
+            metrics.append(F.array_join(F.transform(buckets, lambda b: b.cast("string")), ",").alias("ids_buckets"))
+        observation = Observation(f"store-{batch_id}")
+        combined.observe(observation, *metrics).write.mode("overwrite").partitionBy("_kind").parquet(base)
+        got = observed(observation)
+        made = []
+        for kind in frames:
+            if got.get(f"{kind}_rows"):
+                made.append(StoreFile(
+                    path=f"{base}/_kind={kind}", kind=kind, batch=batch_id, rows=int(got[f"{kind}_rows"]),
+                    lo=int(got[f"{kind}_lo"]), hi=int(got[f"{kind}_hi"]), expires_ms=int(got[f"{kind}_expires"]),
+                    buckets=tuple(int(b) for b in (got.get("ids_buckets") or "").split(",") if b) if kind == "ids" else (),
+                ))
+        return made
+
+
+def observed(observation: Observation, timeout_s: float = 300.0) -> dict:
+    """The metrics an action observed. ``Observation.get`` waits for ever when the metrics node was
+    optimised away; fail with a clear error instead (the stream restarts and replays the batch)."""
+    import threading
+
+    from .errors import EngineError
+
+    box: list = []
+    waiter = threading.Thread(target=lambda: box.append(observation.get), daemon=True)
+    waiter.start()
+    waiter.join(timeout_s)
+    if not box:
+        raise EngineError(f"Spark reported no metrics for {observation._name} within {timeout_s:.0f}s")  # noqa: SLF001
+    return box[0]
+
