@@ -112,6 +112,41 @@ def test_a_timer_waits_for_the_watermark_and_wakes_the_key_up():
     assert [o[:3] for o in r.outputs] == [("timer", T0 + MIN, "event_time")]
 
 
+class InFiveMinutes(KeyedProcessFunction):
+    """Timers in datetimes and timedeltas, not milliseconds: ``ctx.time + timedelta(minutes=5)``."""
+
+    def process_element(self, value, ctx):
+        ctx.timer_service().register_event_time_timer(ctx.time + timedelta(minutes=5))
+        if value.v == "twice":  # registering the same instant as epoch ms is the same timer
+            ctx.timer_service().register_event_time_timer(ctx.timestamp() + 5 * MIN)
+        yield ("element", ctx.time, value.v, None)
+
+    def on_timer(self, timestamp_ms, ctx):
+        yield ("timer", ctx.time, timestamp_ms, ctx.timer_service().watermark)
+
+
+def test_timers_take_datetimes_and_report_the_time_as_a_datetime():
+    from datetime import datetime, timezone
+
+    rt = runtime(InFiveMinutes)
+    t0 = datetime.fromtimestamp(T0 / 1000, tz=timezone.utc)
+    r = rt.process(KEY, None, [el(T0, 1, "twice")], T0 - 1, 0)
+    r = rt.process(KEY, r.state, [], T0 + 10 * MIN, 0)
+    assert r.outputs == [("element", t0, "twice", None),
+                         ("timer", t0 + timedelta(minutes=5), T0 + 5 * MIN, t0 + timedelta(minutes=10))]
+
+
+def test_a_timer_given_a_duration_is_refused_with_the_fix():
+    from streaming.errors import DeclarationError
+
+    class Wrong(KeyedProcessFunction):
+        def process_element(self, value, ctx):
+            ctx.timer_service().register_event_time_timer(timedelta(minutes=5))
+
+    with pytest.raises(DeclarationError, match=r"point in time.*ctx.time \+"):
+        runtime(Wrong).process(KEY, None, [el(T0, 1, "x")], T0 - 1, 0, bounded=True)
+
+
 def test_processing_time_timers_fire_on_the_batch_clock_and_at_end_of_input_when_bounded():
     rt = runtime()
     r = rt.process(KEY, None, [el(T0, 1, "ptimer")], T0 - 1, 100_000)

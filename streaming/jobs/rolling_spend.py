@@ -15,28 +15,28 @@ from streaming.declaration import KeyedJob, Table, Watermark
 from streaming.keyed import KeyedProcessFunction, ListStateDescriptor, RuntimeContext
 from streaming.sources import PAYMENTS
 
-DAY_MS = 24 * 3600 * 1000
+DAY = timedelta(hours=24)
 
 
 class RollingSpend(KeyedProcessFunction):
     def open(self, ctx: RuntimeContext) -> None:
-        self.recent = ctx.get_state(ListStateDescriptor("recent", "struct<t:long,amount:decimal(18,2)>"))
+        self.recent = ctx.get_state(ListStateDescriptor("recent", "struct<t:timestamp,amount:decimal(18,2)>"))
 
     def _emit(self, ctx, entries, cause):
         spend = sum((a for _, a in entries), start=0)
-        return {"card_id": ctx.get_current_key()[0], "as_of": ctx.timestamp(), "spend_24h": spend,
+        return {"card_id": ctx.get_current_key()[0], "as_of": ctx.time, "spend_24h": spend,
                 "payments_24h": len(entries), "cause": cause}
 
     def process_element(self, payment, ctx):
-        t = ctx.timestamp()
-        entries = [(pt, a) for pt, a in self.recent.get() if pt > t - DAY_MS] + [(t, payment.amount)]
+        t = ctx.time
+        entries = [(pt, a) for pt, a in self.recent.get() if pt > t - DAY] + [(t, payment.amount)]
         self.recent.update(entries)
-        ctx.timer_service().register_event_time_timer(t + DAY_MS)  # when this payment leaves the window
+        ctx.timer_service().register_event_time_timer(t + DAY)  # when this payment leaves the window
         yield self._emit(ctx, entries, "payment")
 
     def on_timer(self, timestamp_ms, ctx):
         entries = self.recent.get()
-        kept = [(pt, a) for pt, a in entries if pt > timestamp_ms - DAY_MS]
+        kept = [(pt, a) for pt, a in entries if pt > ctx.time - DAY]
         if len(kept) == len(entries):
             return  # a payment at this very time already pruned it: nothing changed
         if kept:

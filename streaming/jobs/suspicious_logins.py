@@ -14,20 +14,20 @@ from streaming.declaration import KeyedJob, Table, Watermark
 from streaming.keyed import KeyedProcessFunction, ListStateDescriptor, RuntimeContext
 from streaming.sources import LOGINS
 
-HORIZON_MS = 5 * 60 * 1000
+HORIZON = timedelta(minutes=5)
 MIN_FAILURES = 3
 
 
 class FailuresThenSuccess(KeyedProcessFunction):
     def open(self, ctx: RuntimeContext) -> None:
-        self.failures = ctx.get_state(ListStateDescriptor("failures", "long"))
+        self.failures = ctx.get_state(ListStateDescriptor("failures", "timestamp"))
 
     def process_element(self, login, ctx):
-        t = ctx.timestamp()
-        recent = [f for f in self.failures.get() if f >= t - HORIZON_MS]
+        t = ctx.time
+        recent = [f for f in self.failures.get() if f >= t - HORIZON]
         if login.status == "FAILED":
             self.failures.update(recent + [t])
-            ctx.timer_service().register_event_time_timer(t + HORIZON_MS)  # forget it once out of reach
+            ctx.timer_service().register_event_time_timer(t + HORIZON)  # forget it once out of reach
             return
         if len(recent) >= MIN_FAILURES:
             yield {"user_id": login.user_id, "event_id": login.event_id, "success_time": login.event_time,
@@ -36,7 +36,7 @@ class FailuresThenSuccess(KeyedProcessFunction):
         self.failures.clear()  # a success ends the run of failures
 
     def on_timer(self, timestamp_ms, ctx):
-        kept = [f for f in self.failures.get() if f > timestamp_ms - HORIZON_MS]
+        kept = [f for f in self.failures.get() if f > ctx.time - HORIZON]
         if kept:
             self.failures.update(kept)
         else:

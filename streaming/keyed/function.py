@@ -30,7 +30,8 @@ Semantics (the same in a stream and in a bounded run):
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from datetime import datetime, timedelta, timezone
+from typing import Any, Iterable, Union
 
 from ..errors import DeclarationError
 from .state import HANDLES, StoreHolder, _Descriptor
@@ -38,9 +39,33 @@ from .state import HANDLES, StoreHolder, _Descriptor
 EVENT_TIME = "event_time"
 PROCESSING_TIME = "processing_time"
 
+Instant = Union[datetime, int]  # a datetime (naive means UTC) or epoch milliseconds
+
+
+def to_ms(when: Instant) -> int:
+    """Epoch milliseconds of a timer's time: a ``datetime`` (naive is UTC) or already milliseconds.
+    A ``timedelta`` is refused: a timer is a point in time (``ctx.time + timedelta(minutes=5)``)."""
+    if isinstance(when, datetime):
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        return int(when.timestamp() * 1000)
+    if isinstance(when, timedelta):
+        raise DeclarationError(
+            f"a timer needs a point in time, got the duration {when}; register ctx.time + {when!r} instead"
+        )
+    if isinstance(when, bool) or not isinstance(when, (int, float)):
+        raise DeclarationError(f"a timer needs a datetime (or epoch milliseconds), got {when!r}")
+    return int(when)
+
+
+def to_datetime(ms: int | None) -> datetime | None:
+    return None if ms is None else datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+
 
 class TimerService:
-    """Timers of the current key, and the clocks (Flink's ``TimerService``)."""
+    """Timers of the current key, and the clocks (Flink's ``TimerService``). Times are ``datetime``
+    (UTC) or epoch milliseconds; ``current_watermark``/``current_processing_time`` give milliseconds,
+    ``watermark``/``processing_time`` the same as ``datetime``."""
 
     def __init__(self) -> None:
         self.watermark_ms = 0
@@ -54,17 +79,25 @@ class TimerService:
     def current_processing_time(self) -> int:
         return self.processing_time_ms
 
-    def register_event_time_timer(self, timestamp_ms: int) -> None:
-        self.event_timers.add(int(timestamp_ms))
+    @property
+    def watermark(self) -> datetime:
+        return to_datetime(self.watermark_ms)
 
-    def delete_event_time_timer(self, timestamp_ms: int) -> None:
-        self.event_timers.discard(int(timestamp_ms))
+    @property
+    def processing_time(self) -> datetime:
+        return to_datetime(self.processing_time_ms)
 
-    def register_processing_time_timer(self, timestamp_ms: int) -> None:
-        self.processing_timers.add(int(timestamp_ms))
+    def register_event_time_timer(self, when: Instant) -> None:
+        self.event_timers.add(to_ms(when))
 
-    def delete_processing_time_timer(self, timestamp_ms: int) -> None:
-        self.processing_timers.discard(int(timestamp_ms))
+    def delete_event_time_timer(self, when: Instant) -> None:
+        self.event_timers.discard(to_ms(when))
+
+    def register_processing_time_timer(self, when: Instant) -> None:
+        self.processing_timers.add(to_ms(when))
+
+    def delete_processing_time_timer(self, when: Instant) -> None:
+        self.processing_timers.discard(to_ms(when))
 
 
 class Context:
@@ -82,6 +115,11 @@ class Context:
     def timestamp(self) -> int | None:
         """Event time of the element (or timestamp of the timer) being processed, ms."""
         return self.timestamp_ms
+
+    @property
+    def time(self) -> datetime | None:
+        """Event time of the element (or the timer's time) being processed, as a UTC ``datetime``."""
+        return to_datetime(self.timestamp_ms)
 
     def timer_service(self) -> TimerService:
         return self._timers
@@ -120,6 +158,7 @@ class KeyedProcessFunction:
         raise NotImplementedError
 
     def on_timer(self, timestamp_ms: int, ctx: Context) -> Iterable | None:
+        """``timestamp_ms`` is the timer's time in ms; ``ctx.time`` the same as a ``datetime``."""
         return None
 
 

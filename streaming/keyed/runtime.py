@@ -17,7 +17,7 @@ from collections import namedtuple
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from .function import EVENT_TIME, PROCESSING_TIME, Context, RuntimeContext, TimerService
+from .function import EVENT_TIME, PROCESSING_TIME, Context, Instant, RuntimeContext, TimerService, to_ms
 from .state import KeyStore, StoreHolder
 
 NEG_INF_MS = -(2**62)
@@ -37,8 +37,8 @@ class _Timers(TimerService):
         self.processing_timers = set(processing)
         self._event_heap = sorted(self.event_timers)
 
-    def register_event_time_timer(self, timestamp_ms: int) -> None:
-        ts = int(timestamp_ms)
+    def register_event_time_timer(self, when: Instant) -> None:
+        ts = to_ms(when)
         if ts not in self.event_timers:
             self.event_timers.add(ts)
             heapq.heappush(self._event_heap, ts)
