@@ -89,7 +89,10 @@ def cmd_generate(args) -> int:
         print(
             f"{source}: {report.events:,} events ({report.late:,} late, {report.duplicates:,} re-delivered, "
             f"{report.malformed:,} malformed lines) in {len(report.file_names)} files "
-            f"({report.files_skipped} already present) -> {settings.landing_dir(source)}"
+            f"({report.files_skipped} already present"
+            + (f", {report.files_renamed} under a new name: a file of that minute existed with other content"
+               if report.files_renamed else "")
+            + f") -> {settings.landing_dir(source)}"
         )
     print(f"generated in {time.monotonic() - started:.1f}s")
     return 0

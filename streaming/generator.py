@@ -66,6 +66,7 @@ class SourceReport:
     source: str
     files: int = 0
     files_skipped: int = 0
+    files_renamed: int = 0  # files of a minute that already had a file with other content: written under a new name
     lines: int = 0
     events: int = 0
     duplicates: int = 0
@@ -180,10 +181,25 @@ def _write_files(folder: Path, source: str, seed: int, arrival: np.ndarray, line
         text = "\n".join(lines[i] for i in order[chunk]) + "\n"
         path = folder / name
         report.lines += chunk.size
+        if path.exists():
+            if path.read_text() == text:
+                report.file_names.append(name)
+                report.files_skipped += 1
+                continue
+            # Never overwrite a landing file: a stream that read it would never read it again (Spark
+            # skips paths it has seen), so the new content goes under a new name.
+            stem = name[: -len(".jsonl")]
+            n = 2
+            while (folder / f"{stem}-{n}.jsonl").exists() and (folder / f"{stem}-{n}.jsonl").read_text() != text:
+                n += 1
+            name = f"{stem}-{n}.jsonl"
+            path = folder / name
+            if path.exists():  # this very content was written under the new name before
+                report.file_names.append(name)
+                report.files_skipped += 1
+                continue
+            report.files_renamed += 1
         report.file_names.append(name)
-        if path.exists() and path.read_text() == text:
-            report.files_skipped += 1
-            continue
         tmp = folder / f".{name}.tmp"
         tmp.write_text(text)
         mtime_ns = max(mtime_ns + 1_000_000, time.time_ns())  # strictly increasing, ms apart

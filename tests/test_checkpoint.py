@@ -109,6 +109,31 @@ def test_new_input_without_commits_is_stalled_and_old_waiting_input_is_a_growing
     assert behind.health.backlog_growing and behind.health.status == "warning"
 
 
+def test_a_landing_file_rewritten_after_the_stream_read_it_is_named_with_the_fix(healthy, tmp_path):
+    """Spark never reads a path twice: a file replaced after it was read loses its new lines to the
+    stream. The source log recorded its modification time; inspection names the file and the fix."""
+    settings, _, files = healthy
+    landing = tmp_path / "landing"
+    shutil.copytree(settings.landing_dir("payments"), landing)  # (keeps modification times)
+    checkpoint = _copy_checkpoint(settings, tmp_path)
+    for log in (p for p in (checkpoint / "sources" / "0").iterdir() if not p.name.startswith(".")):
+        log.write_text(log.read_text().replace(str(Path(settings.landing_dir("payments")).resolve()), str(landing.resolve())))
+    assert _inspect_copy(checkpoint, landing).rewritten_files == []
+
+    victim = landing / files[1].name
+    victim.write_text(victim.read_text() + victim.read_text().splitlines()[0] + "\n")  # new content, new mtime
+    report = _inspect_copy(checkpoint, landing)
+
+    assert [p.rsplit("/", 1)[-1] for p in report.rewritten_files] == [victim.name]
+    assert report.health.rewritten and report.health.status == "error"
+    message = next(m for m in report.health.messages if m.startswith("rewritten input"))
+    assert victim.name in message and "new file names" in message and "backfill" in message
+
+
+def _inspect_copy(checkpoint: Path, landing: Path):
+    return inspect_checkpoint(JOB, str(checkpoint), str(landing), Thresholds(trigger_interval_s=3600))
+
+
 def test_a_run_that_died_inside_a_batch_leaves_that_batch_in_flight(spark, lake):
     from streaming.generator import generate
 

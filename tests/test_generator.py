@@ -28,6 +28,24 @@ def test_same_seed_same_bytes_and_rerun_leaves_files_alone(tmp_path):
     assert _lines(tmp_path / "c" / "payments") != _lines(tmp_path / "a" / "payments")
 
 
+def test_an_overlapping_run_never_overwrites_a_landing_file(tmp_path):
+    """A second run over part of the same time (other content for the same minutes) adds files under
+    new names: every byte a stream may already have read stays as it was."""
+    generate(CFG, tmp_path)
+    folder = tmp_path / "payments"
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.iterdir()}
+    overlap = replace(CFG, start=CFG.start + timedelta(minutes=5), seed=CFG.seed)
+    report = generate(overlap, tmp_path)["payments"]
+    after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.iterdir()}
+    assert {name: after[name] for name in before} == before
+    assert report.files_renamed > 0
+    renamed = [n for n in report.file_names if n not in before]
+    assert renamed and all(n.endswith(("-2.jsonl", "-3.jsonl")) or n not in before for n in renamed)
+    again = generate(overlap, tmp_path)["payments"]  # the same run again: nothing new
+    assert again.files == 0 and again.files_renamed == 0
+    assert {p.name for p in folder.iterdir()} == set(after)
+
+
 def test_counts_add_up_and_files_are_in_arrival_order(tmp_path):
     report = generate(CFG, tmp_path)["payments"]
     folder = tmp_path / "payments"
