@@ -178,6 +178,12 @@ class Fired:
     store: dict[str, DataFrame] = field(default_factory=dict)
 
 
+# Below this many lines a batch is "small": fewer, simpler Spark plans (see ``WindowedBatch.events``
+# and the handler), since per-plan overhead, not data, decides its time.
+SMALL_BATCH_LINES = 100_000
+_TYPES: dict[tuple, dict[str, T.DataType]] = {}
+
+
 @dataclass
 class WindowedBatch:
     """The lazily built frames of one batch. Call :meth:`stats` first (it caches the parsed lines)."""
@@ -258,11 +264,14 @@ class WindowedBatch:
             key = job.source.dedup_key
             valid = self.parsed.where(self._valid()).drop("_raw", "_reason")
             hashed = valid.select("*", F.unix_millis(job.source.event_time).alias("event_time_ms"), *id_hashes(F.col(key)))
-            repeated = hashed.groupBy("_h1", "_h2").agg(F.count(F.lit(1)).alias("_n")).where(F.col("_n") > 1)
-            repeated = repeated.select("_h1", "_h2")
-            once = hashed.join(repeated, ["_h1", "_h2"], "left_anti")
-            again = hashed.join(repeated, ["_h1", "_h2"], "left_semi").dropDuplicates([key])
-            events = once.unionByName(again)
+            if self._stats.lines <= SMALL_BATCH_LINES:  # one shuffle of few rows beats three plans
+                events = hashed.dropDuplicates([key])
+            else:
+                repeated = hashed.groupBy("_h1", "_h2").agg(F.count(F.lit(1)).alias("_n")).where(F.col("_n") > 1)
+                repeated = repeated.select("_h1", "_h2")
+                once = hashed.join(repeated, ["_h1", "_h2"], "left_anti")
+                again = hashed.join(repeated, ["_h1", "_h2"], "left_semi").dropDuplicates([key])
+                events = once.unionByName(again)
             remembered = self.store.ids(self._buckets) if self.store is not None and self._buckets else None
             if remembered is not None:
                 live = remembered.where(F.col("_expires_ms") > F.lit(self.watermark_in_ms)).select("_h1", "_h2")
@@ -328,8 +337,12 @@ class WindowedBatch:
         return min_t + reach < self.watermark_in_ms
 
     def types(self) -> dict[str, T.DataType]:
-        schema = self.windowed().schema
-        return {a.name: aggregate_type(a, schema) for a in self.job.aggregates}
+        """The aggregates' types (fixed by the job's declaration: worked out once per job and process)."""
+        key = (self.job.name, self.job.fingerprint(), self.job.transform, tuple(self.job.sources))
+        if key not in _TYPES:
+            schema = self.windowed().schema
+            _TYPES[key] = {a.name: aggregate_type(a, schema) for a in self.job.aggregates}
+        return _TYPES[key]
 
     def pieces(self) -> DataFrame:
         """This batch's partial aggregates of on-time events: per window (sessions: per merged interval)."""
@@ -350,6 +363,7 @@ class WindowedBatch:
         if self.bounded:
             merged = windows.merge(pieces)
             return Fired(rows=windows.sink_rows(merged.where(windows.passing())))
+        pieces = self._cache(pieces)  # read by the store's write and by the firing, concurrently
         store = {"ids": self.new_ids(), "pieces": pieces}
         if isinstance(job.window, Session):
             return self._fire_sessions(watermark_out_ms, windows, pieces, store)
@@ -362,7 +376,8 @@ class WindowedBatch:
         job, w_in = self.job, self.watermark_in_ms
         lateness, size = job.watermark.allowed_lateness_ms, job.window.size_ms
         lo, hi = w_in - lateness - size + 1, w_out - size  # window starts of every window that may be due
-        if hi < lo:
+        every = job.window.every_ms
+        if lo + (-lo) % every > hi:  # no window starts there (starts are multiples of the slide): none due
             return Fired(store=store)
         in_range = (F.col(WS) >= F.lit(lo)) & (F.col(WS) <= F.lit(hi))
         now = pieces.where(in_range).withColumn("_now", F.lit(True))

@@ -1,7 +1,28 @@
 """Small file operations through Spark's Hadoop FileSystem, so checkpoint-side files work on any
-URI Spark can reach (local disk, HDFS, s3a://, abfss://, gs://)."""
+URI Spark can reach (local disk, HDFS, s3a://, abfss://, gs://).
+
+Local paths take a short cut through Python's own file functions: Hadoop's local file system
+without its native library forks ``chmod``/``readlink`` for every file it creates or renames,
+which a micro-batch pays several times. (No ``.crc`` twin is written; one left by Hadoop is removed
+with its file, so Hadoop never checks a file against a stale checksum.)"""
 
 from __future__ import annotations
+
+import os
+import shutil
+
+
+def _local(path: str) -> str | None:
+    """The local file-system path of ``path``, or None when it lives elsewhere."""
+    if path.startswith("file:"):
+        rest = path[5:]
+        return "/" + rest.lstrip("/") if rest.startswith("/") else rest
+    return None if "://" in path or path.startswith(("hdfs:", "s3", "gs:", "abfs", "wasb", "memory:")) else path
+
+
+def _crc(path: str) -> str:
+    head, name = os.path.split(path)
+    return os.path.join(head, f".{name}.crc")
 
 
 class HadoopFS:
@@ -17,10 +38,17 @@ class HadoopFS:
         return self._path(path).getFileSystem(self._conf)
 
     def exists(self, path: str) -> bool:
+        local = _local(path)
+        if local is not None:
+            return os.path.exists(local)
         return bool(self._fs(path).exists(self._path(path)))
 
     def read_text(self, path: str) -> str:
         """The file's text; FileNotFoundError when it is missing (also when it vanishes meanwhile)."""
+        local = _local(path)
+        if local is not None:
+            with open(local, encoding="utf-8") as f:
+                return f.read()
         fs = self._fs(path)
         try:
             stream = fs.open(self._path(path))
@@ -36,6 +64,17 @@ class HadoopFS:
 
     def write_text(self, path: str, text: str) -> None:
         """Write atomically: to a hidden temporary file, then rename over the target."""
+        local = _local(path)
+        if local is not None:
+            folder, name = os.path.split(local)
+            os.makedirs(folder or ".", exist_ok=True)
+            tmp = os.path.join(folder, f".{name}.tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+            if os.path.exists(_crc(local)):
+                os.remove(_crc(local))
+            os.replace(tmp, local)
+            return
         fs = self._fs(path)
         target = self._path(path)
         tmp = self._path(f"{target.getParent().toString()}/.{target.getName()}.tmp")
@@ -50,6 +89,9 @@ class HadoopFS:
             raise OSError(f"could not rename {tmp} to {target}")
 
     def list_names(self, path: str) -> list[str]:
+        local = _local(path)
+        if local is not None:
+            return os.listdir(local) if os.path.isdir(local) else []
         fs = self._fs(path)
         if not fs.exists(self._path(path)):
             return []
@@ -58,6 +100,15 @@ class HadoopFS:
     names = list_names  # the ``layout.Files`` interface
 
     def delete(self, path: str) -> None:
+        local = _local(path)
+        if local is not None:
+            if os.path.isdir(local) and not os.path.islink(local):
+                shutil.rmtree(local, ignore_errors=True)
+            elif os.path.lexists(local):
+                os.remove(local)
+            if os.path.exists(_crc(local)):
+                os.remove(_crc(local))
+            return
         fs = self._fs(path)
         if fs.exists(self._path(path)):
             fs.delete(self._path(path), True)

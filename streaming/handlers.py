@@ -26,7 +26,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from .declaration import Job, KeyedJob, WindowedJob
-from .engine import BatchStats, plan_batch
+from .engine import SMALL_BATCH_LINES, BatchStats, plan_batch
 from .errors import CheckpointCorruptError
 from .faults import FaultFn
 from .hadoopfs import HadoopFS
@@ -213,20 +213,29 @@ class WindowedHandler(_Handler):
         spark.conf.set("spark.sql.adaptive.optimizer.excludedRules",
                        "org.apache.spark.sql.execution.adaptive.AQEPropagateEmptyRelation")
         self._start(spark)
+        partitions = spark.conf.get("spark.sql.shuffle.partitions")
         job = self.job
         previous = self.previous(batch_id)
         w_in = watermark_of(previous)
         store = Store(spark, self.layout, previous.store if previous is not None else None, self.store_schemas)
         batch = plan_batch(job, raw, watermark_in_ms=w_in, store=store, batch_id=batch_id)
-        rows = None
+        rows = stored = None
         try:
             stats = batch.stats()
             w_out = batch.next_watermark()
+            if stats.lines <= SMALL_BATCH_LINES:
+                # A small batch's time is per-plan overhead: one shuffle partition, no re-planning per stage
+                # (restored below: Spark records the stream's partitions in its offset log).
+                spark.conf.set("spark.sql.adaptive.enabled", "false")
+                spark.conf.set("spark.sql.shuffle.partitions", "1")
             t = timed("parse + stats", t)
             fired = batch.fire(w_out)
-            new_files = store.write(batch_id, fired.store)
-            events = sum(f.rows for f in new_files if f.kind == "ids")
-            t = timed("dedup + windows + store", t)
+            # The store's write runs alongside the late rows, the fired windows and the table commits: none
+            # of them reads what this batch adds to the store.
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"store-{job.name}")
+            stored = pool.submit(store.write, batch_id, fired.store)
+            pool.shutdown(wait=False)
+            t = timed("plan", t)
             outputs = [Output(self.sinks.quarantine[s], batch.quarantine(s), n)
                        for s, n in batch.quarantined_by_source.items()]
             n_late = 0
@@ -247,6 +256,10 @@ class WindowedHandler(_Handler):
             t = timed("fire windows", t)
             tables = self.write(outputs, self.commit(batch_id, w_out), batch_id)
             t = timed("commits", t)
+            new_files = stored.result()
+            events = sum(f.rows for f in new_files if f.kind == "ids")
+            t = timed("dedup + windows + store", t)
+            stored = None
             from .engine import maintain
 
             manifest, removed = maintain(spark, job, store, new_files, batch_id, w_out, batch.types())
@@ -256,6 +269,9 @@ class WindowedHandler(_Handler):
                         state_rows=manifest.rows())
             timed("store + record", t)
         finally:
+            if stored is not None:  # a failure elsewhere: let the store's write end before releasing the batch
+                stored.exception()
+            spark.conf.set("spark.sql.shuffle.partitions", partitions)
             if rows is not None:
                 rows.unpersist()
             batch.release()

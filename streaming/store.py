@@ -22,6 +22,8 @@ Small files are merged every ``COMPACT_EVERY`` files of a kind.
 
 from __future__ import annotations
 
+import itertools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from pyspark.sql import DataFrame, Observation
@@ -30,6 +32,7 @@ from pyspark.sql import types as T
 
 from .layout import Layout
 
+_WRITES = itertools.count()
 BUCKET_MS = 60_000  # event-time bucket of remembered ids
 COMPACT_EVERY = 24  # merge the files of a kind once there are this many
 KINDS = ("ids", "pieces", "evals")
@@ -124,48 +127,44 @@ class Store:
 
     # -- writing --------------------------------------------------------------------------
     def write(self, batch_id: int, frames: dict[str, DataFrame], folder: str | None = None) -> list[StoreFile]:
-        """Write the frames of every kind in one Spark job, as ``<folder>/_kind=<kind>`` (default
-        ``store/<batch>``, replaced by a replay of the batch). Returns the new files; a kind without
-        rows writes nothing."""
+        """Write the frames of every kind as ``<folder>/<kind>`` (default ``store/<batch>``; a replay of
+        the batch replaces the folder), one concurrent Spark job per kind: small batches are bound by
+        per-job latency, which concurrent jobs overlap. Returns the new files; a kind without rows
+        writes nothing."""
+        from .hadoopfs import HadoopFS
+
         base = folder or self.layout.store_batch(batch_id)
         frames = {k: v for k, v in frames.items() if v is not None}
         if not frames:
             return []
-        fields: dict[str, T.DataType] = {}
-        for kind in frames:
-            for f in self.schemas[kind].fields:
-                fields.setdefault(f.name, f.dataType)
-        parts = []
-        for kind, frame in frames.items():
-            have = set(self.schemas[kind].names)
-            parts.append(frame.select(*[F.col(n) if n in have else F.lit(None).cast(t).alias(n) for n, t in fields.items()],
-                                      F.lit(kind).alias("_kind")))
-        combined = parts[0]
-        for part in parts[1:]:
-            combined = combined.unionByName(part)
-        metrics = []
-        for kind in frames:
-            mine = F.col("_kind") == kind
-            lo, hi, expires = (("_b", "_b", "_expires_ms") if kind == "ids" else ("ws", "we", "we"))
-            metrics += [F.count(F.when(mine, 1)).alias(f"{kind}_rows"), F.min(F.when(mine, F.col(lo))).alias(f"{kind}_lo"),
-                        F.max(F.when(mine, F.col(hi))).alias(f"{kind}_hi"),
-                        F.max(F.when(mine, F.col(expires))).alias(f"{kind}_expires")]
-        if "ids" in frames:
+        HadoopFS(self.spark).delete(base)  # a replayed batch starts from nothing
+        if len(frames) == 1:
+            made = [self._write_kind(batch_id, base, *next(iter(frames.items())))]
+        else:
+            with ThreadPoolExecutor(max_workers=len(frames), thread_name_prefix="store") as pool:
+                made = [f.result() for f in [pool.submit(self._write_kind, batch_id, base, k, v) for k, v in frames.items()]]
+        return [f for f in made if f is not None]
+
+    def _write_kind(self, batch_id: int, base: str, kind: str, frame: DataFrame) -> StoreFile | None:
+        names = self.schemas[kind].names
+        lo, hi, expires = ("_b", "_b", "_expires_ms") if kind == "ids" else ("ws", "we", "we")
+        metrics = [F.count(F.lit(1)).alias("rows"), F.min(lo).alias("lo"), F.max(hi).alias("hi"),
+                   F.max(expires).alias("expires")]
+        if kind == "ids":
             # (an observed array comes back as a Java object: the buckets travel as text)
-            buckets = F.sort_array(F.collect_set(F.when(F.col("_kind") == "ids", F.col("_b"))))
-            metrics.append(F.array_join(F.transform(buckets, lambda b: b.cast("string")), ",").alias("ids_buckets"))
-        observation = Observation(f"store-{batch_id}")
-        combined.observe(observation, *metrics).write.mode("overwrite").partitionBy("_kind").parquet(base)
+            buckets = F.sort_array(F.collect_set(F.col("_b")))
+            metrics.append(F.array_join(F.transform(buckets, lambda b: b.cast("string")), ",").alias("buckets"))
+        observation = Observation(f"store-{batch_id}-{kind}-{next(_WRITES)}")
+        path = f"{base}/{kind}"
+        frame.select(*names).observe(observation, *metrics).write.mode("overwrite").parquet(path)
         got = observed(observation)
-        made = []
-        for kind in frames:
-            if got.get(f"{kind}_rows"):
-                made.append(StoreFile(
-                    path=f"{base}/_kind={kind}", kind=kind, batch=batch_id, rows=int(got[f"{kind}_rows"]),
-                    lo=int(got[f"{kind}_lo"]), hi=int(got[f"{kind}_hi"]), expires_ms=int(got[f"{kind}_expires"]),
-                    buckets=tuple(int(b) for b in (got.get("ids_buckets") or "").split(",") if b) if kind == "ids" else (),
-                ))
-        return made
+        if not got.get("rows"):
+            return None
+        return StoreFile(
+            path=path, kind=kind, batch=batch_id, rows=int(got["rows"]), lo=int(got["lo"]), hi=int(got["hi"]),
+            expires_ms=int(got["expires"]),
+            buckets=tuple(int(b) for b in (got.get("buckets") or "").split(",") if b) if kind == "ids" else (),
+        )
 
 
 def observed(observation: Observation, timeout_s: float = 300.0) -> dict:
