@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export LAKESTREAM_HOME ?= $(CURDIR)/.lake
 export DAGSTER_HOME    ?= $(LAKESTREAM_HOME)/dagster
 
-.PHONY: install demo test test-fast ui bench bench-backfill clean
+.PHONY: install demo test test-fast ui bench bench-batch bench-backfill clean
 
 install: $(STAMP)
 
@@ -34,6 +34,9 @@ ui: install
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 bench: install
+	$(BIN)/python bench/lean.py $(BENCH_ARGS)
+
+bench-batch: install
 	$(BIN)/python bench/purchase_metrics_bench.py
 
 bench-backfill: install

@@ -27,7 +27,9 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import plain_metrics  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
 from streaming.generator import GeneratorConfig, generate  # noqa: E402
@@ -85,19 +87,7 @@ def start_plain_metrics(spark, settings: Settings, files_per_trigger: int | None
     if files_per_trigger:
         reader = reader.option("maxFilesPerTrigger", files_per_trigger)
     payments = reader.json(settings.landing_dir("payments")).where(F.col("event_time").isNotNull())
-    metrics = (
-        payments.withWatermark("event_time", "5 seconds")
-        .dropDuplicatesWithinWatermark(["event_id"])
-        .groupBy("user_id", F.window("event_time", "5 minutes"))
-        .agg(
-            F.count(F.lit(1)).alias("event_count"),
-            F.sum((F.col("status") == "APPROVED").cast("long")).alias("approved_count"),
-            F.sum((F.col("status") == "DECLINED").cast("long")).alias("declined_count"),
-            F.sum("amount").cast("decimal(38,2)").alias("amount_sum"),
-        )
-        .select("user_id", F.col("window.start").alias("window_start"), F.col("window.end").alias("window_end"),
-                "event_count", "approved_count", "declined_count", "amount_sum")
-    )
+    metrics = plain_metrics(payments.withWatermark("event_time", "5 seconds").dropDuplicatesWithinWatermark(["event_id"]))
     return (
         metrics.writeStream.format("iceberg").outputMode("append").option("checkpointLocation", checkpoint)
         .trigger(availableNow=True).toTable(PLAIN_TABLE)
