@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import warnings
 import time
 from datetime import date, datetime, timezone
 from decimal import Decimal
@@ -135,8 +136,10 @@ def _values(series: pd.Series, kind: str) -> list:
     if series.isna().any():
         return [_py(v, kind) for v in series.tolist()]
     if kind == "timestamp":
-        return list(series.dt.tz_localize("UTC").dt.to_pydatetime()) if series.dt.tz is None else \
-            list(series.dt.tz_convert("UTC").dt.to_pydatetime())
+        utc = series.dt.tz_localize("UTC") if series.dt.tz is None else series.dt.tz_convert("UTC")
+        with warnings.catch_warnings():  # pandas 2.2 warns that a Series will come back one day; a list is wanted
+            warnings.simplefilter("ignore", FutureWarning)
+            return list(utc.dt.to_pydatetime())
     if kind == "int":
         return [int(v) for v in series.tolist()]
     if kind == "float":
