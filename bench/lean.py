@@ -38,6 +38,7 @@ from streaming.layout import Layout, numbered  # noqa: E402
 from streaming.runner import run_stream  # noqa: E402
 from streaming.session import get_spark  # noqa: E402
 from streaming.settings import Settings  # noqa: E402
+from streaming.standalone import standalone_cluster  # noqa: E402
 from streaming.tables import all_tables  # noqa: E402
 
 BASE_MS = int(datetime(2026, 11, 20, tzinfo=timezone.utc).timestamp() * 1000)
@@ -51,7 +52,7 @@ def say(message: str) -> None:
 class Bench:
     def __init__(self, home: Path, spark=None):
         self.home = home
-        self.settings = Settings.load({"LAKESTREAM_HOME": str(home)})
+        self.settings = Settings.load({**os.environ, "LAKESTREAM_HOME": str(home)})  # (the master from the environment)
         self.spark = spark or get_spark(self.settings)
         self.landing = Path(self.settings.landing_dir("payments"))
 
@@ -276,56 +277,11 @@ def keyed_rate(home: Path, master: str, events: int, per_file: int) -> None:
     print(f"RATE {report.stats.events / seconds:.1f} {seconds:.2f} {report.batches}", flush=True)
 
 
-def _spark_class() -> str:
-    import pyspark
-
-    return str(Path(pyspark.__file__).parent / "bin" / "spark-class")
-
-
-def start_cluster(workdir: Path, workers: int = 2) -> tuple[str, list[subprocess.Popen]]:
-    import socket
-    import urllib.request
-
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    port, ui = free_port(), free_port()
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_WORKER_DIR": str(workdir / "work")}
-    logs = workdir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    spark_class = _spark_class()
-    procs = [subprocess.Popen([spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                               "--port", str(port), "--webui-port", str(ui)], env=env,
-                              stdout=open(logs / "master.log", "w"), stderr=subprocess.STDOUT)]
-    master = f"spark://127.0.0.1:{port}"
-    for i in range(workers):
-        procs.append(subprocess.Popen([spark_class, "org.apache.spark.deploy.worker.Worker", master, "--host", "127.0.0.1",
-                                       "--cores", "1", "--memory", "3g", "--webui-port", str(free_port())], env=env,
-                                      stdout=open(logs / f"worker{i}.log", "w"), stderr=subprocess.STDOUT))
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            import json
-
-            state = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2).read())
-            if sum(1 for w in state.get("workers", []) if w.get("state") == "ALIVE") >= workers:
-                return master, procs
-        except OSError:
-            pass
-        time.sleep(1)
-    for p in procs:
-        p.kill()
-    raise RuntimeError(f"the standalone cluster did not register {workers} workers in 120 s; see {logs}")
-
-
 def cluster(home: Path, events: int, per_file: int) -> None:
     say(f"\n[cluster] large_amount_alerts as a stream over {events:,} payments ({per_file:,}/file, one per trigger): "
         "local[2] vs standalone master + 2 one-core workers")
     rates = {}
-    master, procs = start_cluster(home / "cluster")
-    try:
+    with standalone_cluster(home / "cluster", memory="3g") as master:
         for label, url in (("local[2]", "local[2]"), ("cluster", master)):
             out = subprocess.run([sys.executable, __file__, "--keyed-rate", url, "--home", str(home / f"k-{label[:5]}"),
                                   "--events", str(events), "--per-file", str(per_file)],
@@ -336,14 +292,6 @@ def cluster(home: Path, events: int, per_file: int) -> None:
             rate, seconds, batches = lines[-1].split()[1:]
             rates[label] = float(rate)
             say(f"  {label:9} {float(rate):,.0f} events/s ({float(seconds):.1f} s, {batches} batches)")
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
     r = rates["cluster"] / rates["local[2]"]
     ratio_line("cluster keyed (2 workers)", f"local[2] {rates['local[2]']:,.0f} ev/s",
                f"cluster {rates['cluster']:,.0f} ev/s ({r:.2f}x)", r >= 0.5, ">= 0.5x local[2]")
