@@ -60,6 +60,9 @@ def validate(line: str) -> dict | None:
         return None
     if not amount.is_finite() or amount < 0 or amount.as_tuple().exponent < -2 or isinstance(record.get("amount"), bool):
         return None
+    # the contract's decimal: plain notation, at most 12 integer digits (so any sum fits decimal(18,2))
+    if amount >= Decimal(10) ** 12 or "e" in str(record.get("amount")).lower():
+        return None
     return {**record, "t_ms": int(moment.timestamp() * 1000), "amount": amount}
 
 

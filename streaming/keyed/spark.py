@@ -79,6 +79,10 @@ def _output_schema(job: KeyedJob, main: T.StructType, payload: T.StructType) -> 
     return T.StructType(fields)
 
 
+def _valid_utf8(text: F.Column) -> F.Column:
+    return F.decode(F.encode(text, "UTF-8"), "UTF-8")
+
+
 def _inputs(job: KeyedJob, parsed: DataFrame, *, stream: bool) -> tuple[DataFrame, T.StructType]:
     """Valid transformed events and invalid lines as one frame keyed by ``job.keys``."""
     events = _transformed(job, parsed, watermark=stream)
@@ -99,7 +103,10 @@ def _inputs(job: KeyedJob, parsed: DataFrame, *, stream: bool) -> tuple[DataFram
         *[F.lit(None).cast(payload[k].dataType).alias(k) for k in job.keys],
         F.lit(None).cast("long").alias("_t"), F.lit(None).cast("string").alias("_id"),
         *[F.lit(None).cast(f.dataType).alias(PAYLOAD + f.name) for f in payload.fields],
-        F.col("_raw"), F.col("_reason"), F.col("source").alias("_src"), F.col("source_file").alias("_file"),
+        # A line's bytes need not be UTF-8; Arrow refuses such text on its way to Python. Re-encoding turns
+        # every undecodable byte into U+FFFD (the quarantine keeps the line, readably).
+        _valid_utf8(F.col("_raw")).alias("_raw"), _valid_utf8(F.col("_reason")).alias("_reason"),
+        F.col("source").alias("_src"), F.col("source_file").alias("_file"),
     )
     if stream:
         never = F.lit("9999-12-31 00:00:00").cast("timestamp").alias(
