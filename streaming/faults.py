@@ -1,6 +1,7 @@
 """Named points inside a micro-batch where a test can stop the world (bytewax's ``ABORT()`` markers).
 
-A batch passes ``committed:<table>`` after each table commit, ``before-state`` before its engine
+A windowed batch passes ``batch-start`` before it reads its input; a batch passes
+``committed:<table>`` after each table commit, ``before-state`` before its engine
 record is written and ``after-state`` once everything is written (Spark then records the batch
 as committed). In-process tests pass a function that raises at a point. A crash test that kills a
 child process sets ``LAKESTREAM_PAUSE_AT=<point>[,<point>...]``: at the first matching point the

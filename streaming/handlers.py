@@ -213,6 +213,7 @@ class WindowedHandler(_Handler):
         spark.conf.set("spark.sql.adaptive.optimizer.excludedRules",
                        "org.apache.spark.sql.execution.adaptive.AQEPropagateEmptyRelation")
         self._start(spark)
+        self._fault("batch-start", batch_id)
         partitions = spark.conf.get("spark.sql.shuffle.partitions")
         job = self.job
         previous = self.previous(batch_id)

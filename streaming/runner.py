@@ -99,7 +99,10 @@ def raw_stream(spark, settings: Settings, job: Job) -> DataFrame:
                 fs.mkdirs(landing)
             else:
                 raise ConfigError(f"landing folder {landing} does not exist; create it or fix 'landing' in the settings")
-        reader = spark.readStream.format("text")
+        # A landing file deleted between the listing that planned a batch and its reading: the batch goes on
+        # with the files that are there (Spark's default fails it, and every replay of it, for ever). Only the
+        # landing read: the store's own files must never go missing unnoticed.
+        reader = spark.readStream.format("text").option("ignoreMissingFiles", "true")
         if overrides.max_files_per_trigger is not None:
             reader = reader.option("maxFilesPerTrigger", overrides.max_files_per_trigger)
         frames.append(reader.load(landing).select(

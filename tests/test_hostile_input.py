@@ -103,3 +103,26 @@ def test_every_line_is_either_an_event_or_quarantined_with_a_reason(spark, hosti
     assert kept.n == len(lines) - valid and kept.blank == 0
     reasons = {r.reason.split(" (")[0].split(":")[0] for r in quarantine.select("reason").collect()}
     assert {"malformed JSON", "invalid amount", "invalid event_time", "missing field amount"} <= reasons
+
+
+def test_a_file_that_vanishes_between_planning_and_reading_does_not_stop_the_stream(spark, tmp_path):
+    """A producer deletes a landing file after Spark planned the batch that reads it: the batch goes
+    on with the other files, and every line that was there to read is an event or quarantined."""
+    from tests.conftest import SMALL
+
+    settings = settings_for(tmp_path).with_job("purchase_metrics", max_files_per_trigger=3)
+    drop_job_tables(spark)
+    generate(SMALL, settings.landing, sources=("payments",))
+    files = oracle.files_in_arrival_order(Path(settings.landing_dir("payments")))
+    victim = files[4]  # read by batch 1 (3 files a batch)
+
+    def delete_at_start(point: str, batch_id: int) -> None:
+        if point == "batch-start" and batch_id == 1 and victim.exists():
+            victim.unlink()
+
+    report = run_stream(spark, settings, get_job("purchase_metrics", settings), available_now=True, progress=None,
+                        install_signal_handlers=False, fault=delete_at_start)
+    assert not victim.exists()
+    remaining = [line for p in files if p != victim for line in oracle.read_lines(p)]
+    valid = sum(1 for line in remaining if oracle.validate(line) is not None)
+    assert report.stats.lines == len(remaining) and report.stats.lines - report.stats.quarantined == valid
