@@ -126,3 +126,33 @@ def test_a_file_that_vanishes_between_planning_and_reading_does_not_stop_the_str
     remaining = [line for p in files if p != victim for line in oracle.read_lines(p)]
     valid = sum(1 for line in remaining if oracle.validate(line) is not None)
     assert report.stats.lines == len(remaining) and report.stats.lines - report.stats.quarantined == valid
+
+
+def test_a_file_truncated_between_planning_and_reading_keeps_the_stream_going(spark, tmp_path):
+    """A producer cuts a landing file short (mid-line) after Spark planned the batch that reads it: the
+    batch reads what is there, the cut line is quarantined, and inspection names the file as changed
+    after it was read."""
+    from streaming.checkpoint import inspect_job
+    from tests.conftest import SMALL
+
+    settings = settings_for(tmp_path).with_job("purchase_metrics", max_files_per_trigger=3)
+    drop_job_tables(spark)
+    generate(SMALL, settings.landing, sources=("payments",))
+    files = oracle.files_in_arrival_order(Path(settings.landing_dir("payments")))
+    victim = files[4]
+    cut = len(victim.read_bytes()) // 2
+
+    def truncate_at_start(point: str, batch_id: int) -> None:
+        if point == "batch-start" and batch_id == 1 and victim.stat().st_size > cut:
+            with open(victim, "r+b") as f:
+                f.truncate(cut)
+
+    job = get_job("purchase_metrics", settings)
+    report = run_stream(spark, settings, job, available_now=True, progress=None, install_signal_handlers=False,
+                        fault=truncate_at_start)
+    lines = _landing_lines(Path(settings.landing_dir("payments")))
+    valid = sum(1 for line in lines if oracle.validate(line) is not None)
+    assert report.stats.lines == len(lines) and report.stats.lines - report.stats.quarantined == valid
+    assert oracle.validate(oracle.read_lines(victim)[-1]) is None  # the cut line went to quarantine
+    health = inspect_job(settings, job).health
+    assert health.rewritten and any(victim.name in m for m in health.messages)
