@@ -25,7 +25,7 @@ those windows win, or duplicate them if it appends):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Callable
 
@@ -142,12 +142,15 @@ def backfill(spark, settings: Settings, job: Job, start: datetime, end: datetime
         late_column = late_time_column(job)
         key = job.source.dedup_key
         t = F.unix_millis(F.col(late_column))
-        absorbed = sinks.late.read().where((t >= lo) & (t < hi)).join(result.consumed, key, "left_semi")
-        absorbed = absorbed.select(key, late_column).cache()
-        n_absorbed = absorbed.count()
-        if n_absorbed:
-            sinks.late.delete_keys(absorbed, (key, late_column), props)
-        absorbed.unpersist()
+        late_rows = sinks.late.read().where((t >= lo) & (t < hi)).select(key, late_column).cache()
+        n_absorbed = 0
+        if late_rows.count():  # (the range's events are read again only when late rows could match them)
+            absorbed = late_rows.join(result.consumed, key, "left_semi").cache()
+            n_absorbed = absorbed.count()
+            if n_absorbed:
+                sinks.late.delete_keys(absorbed, (key, late_column), props)
+            absorbed.unpersist()
+        late_rows.unpersist()
         done += 1
         say(f"  [{done}/{tables}] {sinks.late.table.name}: {n_absorbed:,} late row(s) of the range removed "
             "(the bounded result counts their events)")
@@ -159,8 +162,8 @@ def backfill(spark, settings: Settings, job: Job, start: datetime, end: datetime
         seconds = time.monotonic() - started
         say(f"  [{done}/{tables}] {sinks.main.table.name}: {days}/{days} day partition(s) replaced, {rows:,} rows "
             f"({result.stats.lines / max(seconds, 1e-9):,.0f} lines/s overall)")
+        stats = replace(result.final_stats(), rows_written=rows)
     finally:
         result.release()
-    stats = BatchStats(**{**result.stats.__dict__, "rows_written": rows})
     return BackfillReport(job=job.name, start=start, end=end, stats=stats, seconds=time.monotonic() - started,
                           partitions=days, reconciliation=reconciliation)

@@ -11,8 +11,9 @@ rebuild their state and keep the outputs whose time column lies in the range.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from typing import Callable
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
@@ -55,6 +56,14 @@ class Bounded:
     stats: BatchStats
     seconds: float
     _release: list = field(default_factory=list)
+    _events_seen: Callable[[], int] | None = None  # windowed: counted while the main rows are computed
+
+    def final_stats(self) -> BatchStats:
+        """The run's statistics, events and duplicates included (call it after the main rows were read)."""
+        if self._events_seen is None:
+            return self.stats
+        events = self._events_seen()
+        return replace(self.stats, events=events, duplicates=self.stats.events - events)
 
     def release(self) -> None:
         for fn in self._release:
@@ -71,9 +80,8 @@ def compute(spark, settings: Settings, job: Job, lo: int, hi: int, say=lambda _m
         return _keyed(spark, job, raw, lo, hi, say, started)
     plan = plan_batch(job, raw, bounded=True, event_range_ms=job.window.events_for(lo, hi))
     stats = plan.stats()
-    events = plan.events().count()
     seconds = time.monotonic() - started
-    say(f"  read {stats.lines:,} lines ({stats.lines / max(seconds, 1e-9):,.0f} lines/s), {events:,} events "
+    say(f"  read {stats.lines:,} lines ({stats.lines / max(seconds, 1e-9):,.0f} lines/s), {stats.events:,} valid "
         f"for the range, {stats.quarantined:,} quarantined")
     rows = plan.fire(POS_INF_MS).rows
     in_range = (F.col("window_start") >= F.lit(from_epoch_ms(lo))) & (F.col("window_start") < F.lit(from_epoch_ms(hi)))
@@ -82,9 +90,8 @@ def compute(spark, settings: Settings, job: Job, lo: int, hi: int, say=lambda _m
         job=job, lo=lo, hi=hi, main=rows.where(in_range),
         consumed=plan.events().select(F.col(key).cast("string").alias(key)),
         quarantine={s.name: plan.quarantine(s.name) for s in job.sources if plan.quarantined_by_source.get(s.name)},
-        stats=BatchStats(**{**stats.__dict__, "events": events, "duplicates": stats.events - events,
-                            "watermark_out_ms": POS_INF_MS}), seconds=seconds,
-        _release=[plan.release],
+        stats=replace(stats, watermark_out_ms=POS_INF_MS), seconds=seconds, _release=[plan.release],
+        _events_seen=plan.events_seen,
     )
 
 
