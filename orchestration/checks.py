@@ -1,8 +1,8 @@
 """Asset checks of every job's tables. Each can run on demand from the UI; the sensors and the
 bounded twin also report them on their own (as runless evaluations).
 
-* ``reconciliation`` (main table, per day partition): the stream's windows/rows against a bounded
-  recomputation; fails on any unexplained difference;
+* ``reconciliation`` (main table, per day partition) is not here: each materialization of the bounded
+  twin (``assets``) evaluates it, from its comparison made before it replaces the day;
 * ``checkpoint_health`` (main table): stalled stream, growing backlog, state growth, corruption;
 * ``freshness`` (main table): the last committed batch is recent, or no input waits;
 * ``late_volume`` (late side output) and ``quarantine_volume`` (quarantine table): the share of
@@ -11,17 +11,14 @@ bounded twin also report them on their own (as runless evaluations).
 
 
 import time
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 import dagster as dg
-from dagster_pyspark import LazyPySparkResource
 
 from streaming.checkpoint import CheckpointReport, inspect_checkpoint, inspect_job
 from streaming.declaration import Job, Source
-from streaming.jobs import get_job
 from streaming.settings import Settings
 
-from .assets import RECONCILIATION
 from .resources import LakestreamResource
 from .tables import table_key
 
@@ -40,7 +37,9 @@ def health_evaluation(job: Job, settings: Settings, now_ms: int | None = None,
         severity=dg.AssetCheckSeverity.ERROR if h.status == "error" else dg.AssetCheckSeverity.WARN,
         description="; ".join(h.messages) or "healthy",
         metadata={"status": h.status, "stalled": h.stalled, "backlog_growing": h.backlog_growing,
-                  "state_growth": h.state_growth, "corrupt": h.corrupt, "in_flight": h.in_flight,
+                  "state_growth": h.state_growth, "corrupt": h.corrupt, "in_flight": h.in_flight, "idle": h.idle,
+                  "running": report.running is not None,
+                  "longest_recent_batch_s": round(max(report.recent_batch_seconds, default=0.0), 1),
                   "last_committed_batch": report.last_committed_batch if report.last_committed_batch is not None else -1,
                   "files_waiting": report.files_waiting, "state_bytes": report.state_bytes,
                   "watermark_ms": report.watermark_ms or 0},
@@ -55,25 +54,6 @@ def _totals(settings: Settings, job: Job) -> dict | None:
 
 def job_checks(job: Job, partitions_def) -> list[dg.AssetChecksDefinition]:
     main = table_key(job.sink)
-
-    @dg.asset_check(asset=main, name=RECONCILIATION, partitions_def=partitions_def, blocking=False,
-                    description="The stream's output for the day against a bounded recomputation; every difference "
-                                "must be explained by late data or by windows still in flight.")
-    def reconciliation(context: dg.AssetCheckExecutionContext, lakestream: LakestreamResource,
-                       pyspark: LazyPySparkResource) -> dg.AssetCheckResult:
-        from batch.reconcile import NothingToReconcileError, reconcile
-
-        settings = lakestream.settings()
-        day = datetime.fromisoformat(context.partition_key)
-        try:
-            report = reconcile(lakestream.spark(pyspark), settings, get_job(job.name, settings), day,
-                               day + timedelta(days=1), progress=context.log.info)
-        except NothingToReconcileError as exc:
-            return dg.AssetCheckResult(passed=True, severity=dg.AssetCheckSeverity.WARN, description=str(exc))
-        counts = {k: sum(getattr(d, k) for d in report.days) for k in ("compared", "matching", "late", "in_flight",
-                                                                       "unexplained")}
-        return dg.AssetCheckResult(passed=report.unexplained == 0, metadata={**counts, "examples": "\n".join(report.examples) or "-"},
-                                   description=report.table())
 
     @dg.asset_check(asset=main, name="checkpoint_health", description="Stalled stream, growing backlog, state growth "
                     "or a corrupt checkpoint, read from the checkpoint (also reported every 30 s by a sensor).")
@@ -116,7 +96,7 @@ def job_checks(job: Job, partitions_def) -> list[dg.AssetChecksDefinition]:
                                    metadata={"desired": wanted, "running": bool(active)},
                                    description="as desired" if ok else "should be running but is not")
 
-    return [reconciliation, checkpoint_health, freshness, late_volume, stream_supervisor]
+    return [checkpoint_health, freshness, late_volume, stream_supervisor]
 
 
 def quarantine_check(source: Source, jobs: list[Job]) -> dg.AssetChecksDefinition:

@@ -124,7 +124,8 @@ def supervise(instance: dg.DagsterInstance, job: Job, now: float | None = None,
     previous = last.dagster_run.run_id if last else "none"
     config = {"mode": "continuous", "trigger_interval": wanted.get("trigger_interval", "5s"),
               "materialize_every": wanted.get("materialize_every", "10s"),
-              "rollover_after": wanted.get("rollover_after", "24h")}
+              "rollover_after": wanted.get("rollover_after", "24h"),
+              "max_files_per_trigger": int(wanted.get("max_files_per_trigger") or 0)}
     together = [job.name]
     if application:  # the application restarts as a whole, with those of its jobs that should run
         together = [n for n in application if n == job.name or DesiredState(instance, n).get().get("state") == "running"]

@@ -18,6 +18,7 @@ crashes leaves *running* behind, and the supervisor restarts it (an application 
 """
 
 
+import enum
 import json
 import queue
 import threading
@@ -25,6 +26,7 @@ import time
 
 import dagster as dg
 from dagster_pyspark import LazyPySparkResource
+from pydantic import Field
 
 from streaming.declaration import Job
 from streaming.durations import parse_duration
@@ -39,11 +41,20 @@ from .tables import day_keys, table_key
 STREAM_TAG = "lakestream/stream"
 
 
+class Mode(enum.Enum):
+    """available_now: consume what exists, then stop. continuous: run until terminated."""
+
+    available_now = "available_now"
+    continuous = "continuous"
+
+
 class StreamConfig(dg.Config):
     """How to run the stream."""
 
-    mode: str = "available_now"  # "available_now": consume what exists, then stop | "continuous"
+    mode: Mode = Field(Mode.available_now, description="available_now: consume what exists, then stop; "
+                       "continuous: run until terminated (the supervisor restarts it)")
     trigger_interval: str = "5s"
+    max_files_per_trigger: int = Field(0, description="landing files per micro-batch (0: the job's setting)")
     from_savepoint: str = ""  # a savepoint id: restore it (checkpoint and tables) before starting
     materialize_every: str = "10s"  # merge a table partition's batches into one event per interval
     rollover_after: str = "24h"  # a continuous run ends itself after this long; the supervisor restarts it
@@ -93,9 +104,15 @@ class MaterializationReporter:
     def _merge(self, result: BatchResult, query) -> None:
         s = result.stats
         progress = (query.lastProgress or {}) if query is not None else {}
-        state_rows = sum(op.get("numRowsTotal", 0) for op in progress.get("stateOperators", []))
+        # what the stream remembers: the engine's store (windowed) or Spark's state operators (keyed)
+        state_rows = result.state_rows if result.state_rows is not None else sum(
+            op.get("numRowsTotal", 0) for op in progress.get("stateOperators", []))
         now_ms = int(time.time() * 1000)
         watermark = s.watermark_out_ms
+        self.context.log.info(
+            f"{self.job.name} batch {result.batch_id}: {s.lines:,} lines, {s.events:,} events, {s.late:,} late, "
+            f"{s.quarantined:,} quarantined, {s.rows_written:,} rows written in {result.seconds:.2f}s; "
+            f"watermark {describe_watermark(watermark)}")
         for table, write in result.tables.items():
             days = day_keys(write.first_ms, write.last_ms, self.partitions_def) or [None]
             for day in days:
@@ -110,6 +127,7 @@ class MaterializationReporter:
                     input_rate=float(progress.get("inputRowsPerSecond") or 0.0),
                     processing_rate=float(progress.get("processedRowsPerSecond") or 0.0),
                     lag_s=max(0.0, (now_ms - watermark) / 1000) if 0 < watermark < 2**61 else 0.0,
+                    complete=day is None or _day_complete(day, watermark),
                 )
 
     def flush(self) -> None:
@@ -119,15 +137,34 @@ class MaterializationReporter:
                 "batches": f"{e['batches'][0]}..{e['batches'][-1]}", "batch_count": len(e["batches"]),
                 "rows_in": e["rows_in"], "rows_written": e["rows_written"], "late_events": e["late"],
                 "quarantined_lines": e["quarantined"],
-                "input_rows_per_s": e["input_rate"], "processed_rows_per_s": e["processing_rate"],
-                "batch_seconds": e["seconds"] / len(e["batches"]),
+                "input_rows_per_s": round(e["input_rate"], 1), "processed_rows_per_s": round(e["processing_rate"], 1),
+                "batch_seconds": round(e["seconds"] / len(e["batches"]), 2),
                 "watermark": describe_watermark(e["watermark"]),
-                "watermark_ms": e["watermark"], "watermark_lag_s": e["lag_s"], "state_rows": e["state_rows"],
+                "watermark_lag_s": round(e["lag_s"], 1), "state_rows": e["state_rows"],
                 "table_version": str(version) if version is not None else "empty",
+                # a day the watermark has not passed yet is still being written: say so (Dagster shows it
+                # materialized either way)
+                "day_complete": e["complete"],
             }
-            self.context.log_event(dg.AssetMaterialization(asset_key=table_key(table), partition=day, metadata=metadata))
+            if 0 < e["watermark"] < 2**61:
+                metadata["watermark_time"] = dg.MetadataValue.timestamp(e["watermark"] / 1000)
+            self.context.log_event(dg.AssetMaterialization(
+                asset_key=table_key(table), partition=day, metadata=metadata,
+                description=None if e["complete"] else f"partial day: the stream has reached "
+                                                      f"{describe_watermark(e['watermark'])}"))
         self.pending.clear()
         self.last_flush = time.monotonic()
+
+
+def _day_complete(day: str, watermark_ms: int) -> bool:
+    """Whether the watermark has passed the end of a day partition (``YYYY-MM-DD``)."""
+    from datetime import datetime, timedelta, timezone
+
+    try:
+        end = datetime.fromisoformat(day).replace(tzinfo=timezone.utc) + timedelta(days=1)
+    except ValueError:
+        return True
+    return watermark_ms >= end.timestamp() * 1000
 
 
 APP_JOB = "streams"  # every job (or those chosen in run config) as one Spark application
@@ -138,7 +175,8 @@ class StreamsConfig(dg.Config):
     """Which jobs to run together, as queries of one Spark application, and how."""
 
     jobs: list[str] = []  # empty: every job
-    mode: str = "available_now"
+    mode: Mode = Mode.available_now
+    max_files_per_trigger: int = Field(0, description="landing files per micro-batch, each job (0: its setting)")
     trigger_interval: str = "5s"
     from_savepoints: dict[str, str] = {}  # job -> savepoint id to restore before starting
     materialize_every: str = "10s"
@@ -156,12 +194,13 @@ def jobs_of_run(run: dg.DagsterRun, all_jobs: list[str]) -> list[str]:
 def _run_streams(context: dg.OpExecutionContext, names: list[str], config, from_savepoints: dict[str, str],
                  lakestream: LakestreamResource, pyspark: LazyPySparkResource, partitions_def) -> None:
     """What a stream run does, for one job or several (one query each, in one Spark application)."""
-    if config.mode not in ("available_now", "continuous"):
-        raise dg.Failure(f"mode must be 'available_now' or 'continuous', got {config.mode!r}")
     interval = parse_duration(config.trigger_interval, field="trigger_interval")
+    if config.max_files_per_trigger < 0:
+        raise dg.Failure(f"max_files_per_trigger must be 1 or more (0: the job's setting), got {config.max_files_per_trigger}")
     settings = lakestream.settings()
     for name in names:
-        settings = settings.with_job(name, trigger_interval=interval)
+        extra = {"max_files_per_trigger": config.max_files_per_trigger} if config.max_files_per_trigger else {}
+        settings = settings.with_job(name, trigger_interval=interval, **extra)
     declared = [get_job(name, settings) for name in names]
     spark = lakestream.spark(pyspark)
     if from_savepoints:
@@ -170,13 +209,14 @@ def _run_streams(context: dg.OpExecutionContext, names: list[str], config, from_
         for job in declared:
             if from_savepoints.get(job.name):
                 Savepoints(spark, settings, progress=context.log.info).restore(job, from_savepoints[job.name])
-    continuous = config.mode == "continuous"
+    continuous = config.mode == Mode.continuous
     application = names if len(names) > 1 else None
     if continuous:
         for name in names:
             DesiredState(context.instance, name).set(
-                "running", run_id=context.run_id, mode=config.mode, trigger_interval=config.trigger_interval,
+                "running", run_id=context.run_id, mode=config.mode.value, trigger_interval=config.trigger_interval,
                 materialize_every=config.materialize_every, rollover_after=config.rollover_after,
+                max_files_per_trigger=config.max_files_per_trigger,
                 **({"application": application} if application else {}))
     every_s = parse_duration(config.materialize_every).total_seconds()
     reporters = {}

@@ -47,7 +47,8 @@ class Thresholds:
     """When the derived health flags turn on."""
 
     trigger_interval_s: float = 10.0
-    stall_factor: float = 5.0  # stalled: no commit for stall_factor x trigger interval while input waits
+    stall_factor: float = 5.0  # stalled: no commit for stall_factor x trigger interval while input waits ...
+    stall_batches: float = 3.0  # ... and for this many times the longest recent batch (slow batches are not stalls)
     state_growth_ratio: float = 1.5  # state growth: rows remembered > ratio x after the previous batch ...
     state_growth_min_rows: int = 100_000  # ... and more than this
 
@@ -69,6 +70,7 @@ class Health:
     state_growth: bool = False
     corrupt: bool = False
     rewritten: bool = False
+    idle: bool = False  # input waits and no stream runs: the normal state of on-demand use, a warning
     messages: list[str] = field(default_factory=list)
 
 
@@ -82,6 +84,7 @@ class CheckpointReport:
     last_planned_batch: int | None = None
     last_committed_batch: int | None = None
     last_commit_ms: int | None = None
+    recent_batch_seconds: list[float] = field(default_factory=list)  # planned -> committed, newest batches last
     in_flight_batch: int | None = None
     files_consumed: int = 0
     consumed_files: list[str] = field(default_factory=list, repr=False)  # real paths, for reconciliation
@@ -348,6 +351,12 @@ def _read_offsets_and_commits(root: Tree, report: CheckpointReport) -> None:
             except ValueError as exc:
                 report.problems.append(str(exc))
             report.last_commit_ms = root.mtime_ms(LAYOUT.commit(n))
+        for b in committed[-10:]:  # how long batches take: offset-log entry (planned) -> commit-log entry
+            try:
+                report.recent_batch_seconds.append(
+                    max(0.0, (root.mtime_ms(LAYOUT.commit(b)) - root.mtime_ms(LAYOUT.offset(b))) / 1000))
+            except OSError:
+                pass
     if report.last_planned_batch is not None and (
         report.last_committed_batch is None or report.last_planned_batch > report.last_committed_batch
     ):
@@ -450,12 +459,23 @@ def _health(report: CheckpointReport, limits: Thresholds, root: Tree) -> Health:
                 since = root.mtime_ms("metadata")
             except OSError:
                 since = None
-        limit_ms = limits.stall_factor * limits.trigger_interval_s * 1000
-        if since is not None and now - since > limit_ms and (report.oldest_waiting_ms or now) < now - limit_ms:
+        longest = max(report.recent_batch_seconds, default=0.0)
+        limit_ms = max(limits.stall_factor * limits.trigger_interval_s, limits.stall_batches * longest) * 1000
+        overdue = since is not None and now - since > limit_ms and (report.oldest_waiting_ms or now) < now - limit_ms
+        if overdue and report.running is None and report.in_flight_batch is None:
+            h.idle = True
+            h.messages.append(
+                f"idle: {report.files_waiting} file(s) wait (the oldest since {_age(now, report.oldest_waiting_ms)}) and "
+                f"no stream of {report.job} runs; start it (`lakestream run {report.job}`, or launch "
+                f"{report.job}_stream in Dagster) when the data is wanted")
+        elif overdue:
             h.stalled = True
+            basis = (f"{limits.stall_factor:g} x {limits.trigger_interval_s:g}s trigger interval"
+                     if limit_ms == limits.stall_factor * limits.trigger_interval_s * 1000
+                     else f"{limits.stall_batches:g} x its longest recent batch, {longest:.0f}s")
             h.messages.append(
                 f"stalled: last commit {_age(now, report.last_commit_ms)} while {report.files_waiting} file(s) wait "
-                f"(limit {limits.stall_factor:g} x {limits.trigger_interval_s:g}s trigger interval)"
+                f"(limit {limit_ms / 1000:.0f}s: {basis})"
             )
         if report.last_commit_ms is not None and report.oldest_waiting_ms is not None:
             if report.oldest_waiting_ms < report.last_commit_ms - limits.trigger_interval_s * 1000:
@@ -478,7 +498,7 @@ def _health(report: CheckpointReport, limits: Thresholds, root: Tree) -> Health:
         h.state_growth = True
         h.messages.append(f"state growth: {sizes[-2]:,} -> {sizes[-1]:,} rows remembered in one batch")
     h.status = "error" if (h.corrupt or h.stalled or h.rewritten) else (
-        "warning" if (h.backlog_growing or h.state_growth) else "healthy")
+        "warning" if (h.backlog_growing or h.state_growth or h.idle) else "healthy")
     if not report.exists:
         h.messages.append("no checkpoint yet: the job has never run with these settings")
     return h

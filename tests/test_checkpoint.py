@@ -92,6 +92,13 @@ def test_new_input_without_commits_is_stalled_and_old_waiting_input_is_a_growing
         os.utime(path, (arrived, arrived))
     limits = Thresholds(trigger_interval_s=10, stall_factor=5)
 
+    # no process runs the stream: waiting input is the normal state of on-demand use, a warning
+    idle = inspect_checkpoint(JOB, str(checkpoint), str(landing), limits, now_ms=last_commit + 10 * MINUTE_MS)
+    assert idle.health.idle and not idle.health.stalled and idle.health.status == "warning"
+    assert any(f"lakestream run {JOB}" in m for m in idle.health.messages)
+
+    # a process runs it (a live marker) and commits nothing: stalled
+    (checkpoint / "lakestream" / "running").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
     soon = inspect_checkpoint(JOB, str(checkpoint), str(landing), limits, now_ms=last_commit + 20_000)
     later = inspect_checkpoint(JOB, str(checkpoint), str(landing), limits, now_ms=last_commit + 10 * MINUTE_MS)
 
@@ -101,6 +108,20 @@ def test_new_input_without_commits_is_stalled_and_old_waiting_input_is_a_growing
     assert later.health.stalled and later.health.status == "error"
     assert any("stalled" in m for m in later.health.messages)
     assert not later.health.backlog_growing  # the files came after the last commit
+
+    # the limit follows the job: batches that take 3 minutes each are slow, not stalled, 6 minutes after a commit
+    batches = sorted((p for p in (checkpoint / "commits").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    for commit in batches:
+        planned = checkpoint / "offsets" / commit.name
+        start = (last_commit - 4 * MINUTE_MS) / 1000
+        os.utime(planned, (start, start))
+        os.utime(commit, (start + 180, start + 180))
+    slow_commit = last_commit - MINUTE_MS
+    slow = inspect_checkpoint(JOB, str(checkpoint), str(landing), limits, now_ms=slow_commit + 6 * MINUTE_MS)
+    assert max(slow.recent_batch_seconds) == pytest.approx(180, abs=1)
+    assert not slow.health.stalled, slow.health.messages
+    stuck = inspect_checkpoint(JOB, str(checkpoint), str(landing), limits, now_ms=slow_commit + 12 * MINUTE_MS)
+    assert stuck.health.stalled and any("longest recent batch" in m for m in stuck.health.messages)
 
     old = (last_commit - 5 * MINUTE_MS) / 1000
     for path in extra:

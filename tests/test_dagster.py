@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
@@ -95,13 +96,22 @@ def test_a_stream_run_records_a_materialization_per_batch_and_partition(spark, s
         events = [e.event_specific_data.materialization for e in result.all_events
                   if e.event_type_value == "ASSET_MATERIALIZATION"]
         main = [m for m in events if m.asset_key == MAIN]
+        logs = [r.user_message for r in instance.all_logs(result.run_id)]
     files = oracle.files_in_arrival_order(Path(settings.landing_dir("payments")))
     truth = oracle.replay_stream([[line for p in files[i:i + 6] for line in oracle.read_lines(p)]
                                   for i in range(0, len(files), 6)])
     assert spark.table("lake.payments.purchase_metrics").count() == len(truth.closed) > 0
     assert len(main) >= 2 and {m.partition for m in main} == {DAY}  # one per batch that wrote the day
     meta = main[-1].metadata
-    assert max(m.metadata["watermark_ms"].value for m in events) == truth.watermark_ms  # the last batch's
+    watermarks = [m.metadata["watermark_time"].value for m in events if "watermark_time" in m.metadata]
+    assert round(max(watermarks) * 1000) == truth.watermark_ms  # the last batch's, as a timestamp Dagster shows as one
+    assert all(isinstance(m.metadata["batch_seconds"].value, float) and
+               m.metadata["batch_seconds"].value == round(m.metadata["batch_seconds"].value, 2) for m in main)
+    assert max(m.metadata["state_rows"].value for m in main) > 0  # the windowed job's store, not Spark's (none)
+    day_end_ms = (datetime.fromisoformat(DAY).replace(tzinfo=timezone.utc) + timedelta(days=1)).timestamp() * 1000
+    assert main[-1].metadata["day_complete"].value == (truth.watermark_ms >= day_end_ms)
+    batches = [line for line in logs if line.startswith("purchase_metrics batch ")]
+    assert len(batches) >= len(files) // 6 and all("lines" in b and "watermark" in b for b in batches)
     assert {m.asset_key.path[-1] for m in events} >= {"purchase_metrics", "purchase_metrics_late", "payments"}
     assert {"rows_in", "rows_written", "batch_seconds", "watermark_lag_s", "state_rows", "table_version",
             "processed_rows_per_s"} <= set(meta)
@@ -151,6 +161,9 @@ def test_the_streams_job_runs_several_jobs_in_one_application_and_is_supervised_
 
 
 def test_materializing_a_partition_runs_the_bounded_twin_and_reports_reconciliation(spark, small_landing):
+    """The reconciliation is evaluated inside the run, from the comparison made before the replace,
+    one per day, linked to the day's materialization; the same day materialized again (retries,
+    schedules) works every time (it used to fail on a UNIQUE constraint of runless evaluations)."""
     from streaming.jobs import get_job
     from streaming.runner import run_stream
 
@@ -158,18 +171,62 @@ def test_materializing_a_partition_runs_the_bounded_twin_and_reports_reconciliat
     run_stream(spark, settings, get_job("purchase_metrics", settings), available_now=True, progress=None,
                install_signal_handlers=False)
     defs = defs_for(settings)
+    assets = [a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and MAIN in a.keys]
     with dg.instance_for_test() as instance:
-        result = dg.materialize(
-            [a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and MAIN in a.keys],
-            instance=instance, partition_key=DAY, resources=defs.resources,
-            run_config={"ops": {"purchase_metrics_bounded": {"config": {"force": True}}}},
-        )
-        assert result.success
-        record = latest_check(instance, MAIN, "reconciliation", DAY)
-        assert record is not None and evaluation_of(record).passed
-        assert evaluation_of(record).metadata["late"].value > 0  # the stream left late events aside
+        runs = []
+        for attempt in range(3):
+            result = dg.materialize(assets, instance=instance, partition_key=DAY, resources=defs.resources,
+                                    run_config={"ops": {"purchase_metrics_bounded": {"config": {"force": True}}}})
+            assert result.success, f"materialization {attempt + 1} of the same day failed"
+            runs.append(result.run_id)
+            record = latest_check(instance, MAIN, "reconciliation", DAY)
+            evaluation = evaluation_of(record)
+            assert record.run_id == result.run_id and evaluation.partition == DAY
+            mat = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=MAIN, asset_partitions=[DAY]),
+                                                  limit=1).records[0]
+            assert evaluation.target_materialization_data.storage_id == mat.storage_id
+            assert mat.event_log_entry.run_id == result.run_id
+            if attempt == 0:
+                # the first comparison saw the stream's own output, with its late events set aside
+                assert evaluation.passed and evaluation.metadata["late"].value > 0
+                assert "before the replace" in evaluation.description
+            else:
+                # later runs compare the stream's tables as the previous backfill left them, never vacuously
+                # against this run's own result (that comparison happens before the replace)
+                assert evaluation.metadata["compared"].value > 0
+        assert len(set(runs)) == 3
+        history = instance.event_log_storage.get_asset_check_execution_history(
+            dg.AssetCheckKey(MAIN, "reconciliation"), limit=10)
+        assert {r.run_id for r in history} == set(runs)
     expected = oracle.bounded_windows(Path(settings.landing_dir("payments")))
     assert spark.table("lake.payments.purchase_metrics").count() == len(expected)
+
+
+def test_a_day_the_stream_still_writes_is_refused_with_the_launchpad_fix(spark, small_landing):
+    """Without ``force`` a day the live stream still owns fails the run with a ``dg.Failure`` that
+    names the run config to set, and nothing is replaced."""
+    from streaming.jobs import get_job
+    from streaming.runner import run_stream
+
+    settings = write_config(small_landing, {"purchase_metrics": {"max_files_per_trigger": 6}})
+    run_stream(spark, settings, get_job("purchase_metrics", settings), available_now=True, progress=None,
+               install_signal_handlers=False)
+    before = {tuple(r) for r in spark.table("lake.payments.purchase_metrics").collect()}
+    defs = defs_for(settings)
+    assets = [a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and MAIN in a.keys]
+    with dg.instance_for_test() as instance:
+        result = dg.materialize(assets, instance=instance, partition_key=DAY, resources=defs.resources,
+                                raise_on_error=False)
+        assert not result.success
+        failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+        error = failure.step_failure_data.error
+        assert error.cls_name == "Failure", error.cls_name
+        assert "force: true" in error.message and "purchase_metrics_bounded" in error.message
+        assert "Traceback" not in failure.step_failure_data.user_failure_data.description
+        # the day's reconciliation says why it was not compared (not "execution failed")
+        record = latest_check(instance, MAIN, "reconciliation", DAY)
+        assert record.run_id == result.run_id and "refused" in evaluation_of(record).description
+    assert {tuple(r) for r in spark.table("lake.payments.purchase_metrics").collect()} == before
 
 
 def test_dbt_builds_the_marts_on_the_session_and_they_match_pandas(spark, small_landing):
@@ -237,9 +294,16 @@ def test_checkpoint_health_sensor_reports_healthy_stalled_and_corrupt_checkpoint
         for commit in (checkpoint / "commits").iterdir():
             os.utime(commit, (hour_ago, hour_ago))
         run_health_sensor(defs, instance)
+        idle = evaluation_of(latest_check(instance, MAIN, "checkpoint_health"))
+        # no stream runs: input waiting is a warning (on-demand use), not a stall
+        assert not idle.passed and idle.severity == dg.AssetCheckSeverity.WARN and "idle" in idle.description
+        # a process runs the stream and commits nothing for an hour: stalled
+        (checkpoint / "lakestream" / "running").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+        run_health_sensor(defs, instance)
         stalled = evaluation_of(latest_check(instance, MAIN, "checkpoint_health"))
         assert not stalled.passed and stalled.severity == dg.AssetCheckSeverity.ERROR
         assert stalled.metadata["stalled"].value is True
+        (checkpoint / "lakestream" / "running").unlink()
 
         # corrupt: the newest offset-log entry is garbage
         newest = max((p for p in (checkpoint / "offsets").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
