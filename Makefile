@@ -30,7 +30,7 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
 ui: install
-	@mkdir -p "$(DAGSTER_HOME)"
+	@$(BIN)/python -c "from orchestration.record import ensure_dagster_yaml; ensure_dagster_yaml()"
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 bench: install

@@ -37,7 +37,7 @@ def build_definitions(settings: Settings | None = None, home: str | None = None)
                                   description="dbt build of the marts (models and their tests)")],
         sensors=[health_sensor(jobs), supervisor_sensor(jobs, streams)],
         schedules=[savepoint_schedule(savepoints), backfill_schedule],
-        resources={"lakestream": lakestream, "pyspark": pyspark_resource(settings), "dbt": dbt},
+        resources={"lakestream": lakestream, "pyspark": pyspark_resource(settings, home), "dbt": dbt},
     )
 
 

@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import dagster as dg
 from dagster_pyspark import LazyPySparkResource
+from dagster_pyspark.resources import spark_session_from_config
+from pydantic import Field
 
 from streaming import session as spark_session
 from streaming.session import check_java, prepare_environment, spark_conf
@@ -39,6 +42,21 @@ class LakestreamResource(dg.ConfigurableResource):
         return session
 
 
-def pyspark_resource(settings: Settings) -> LazyPySparkResource:
+class LakestreamPySpark(LazyPySparkResource):
+    """dagster-pyspark's lazy SparkSession, with lakestream's conf worked out where the run runs (from
+    its settings: master, catalogs, jars, paths), so the launchpad shows no machine-specific paths;
+    ``spark_config`` holds only the user's overrides."""
+
+    spark_config: dict[str, Any] = Field(default_factory=dict, description="Spark settings that override "
+                                         "lakestream's (which come from lakestream.yaml / LAKESTREAM_* variables)")
+    home: str | None = Field(None, description="LAKESTREAM_HOME for the conf (default: the environment's)")
+
+    def _init_session(self) -> None:
+        if self._spark_session is None:
+            settings = LakestreamResource(home=self.home).settings()
+            self._spark_session = spark_session_from_config({**spark_conf(settings), **self.spark_config})
+
+
+def pyspark_resource(settings: Settings, home: str | None = None) -> LazyPySparkResource:
     """dagster-pyspark's resource with exactly the conf lakestream's own builder uses."""
-    return LazyPySparkResource(spark_config=spark_conf(settings))
+    return LakestreamPySpark(home=home)

@@ -2,7 +2,8 @@
 
 * ``checkpoint_health`` inspects every job's checkpoint (pure Python) and reports the
   ``checkpoint_health`` asset check of its table when the verdict changes (and at least every
-  10 minutes), as a runless evaluation: no run, no Spark.
+  10 minutes), as a runless evaluation: no run, no Spark; and observes the landing folders (files,
+  bytes, what is pending) when they change.
 * ``stream_supervisor``: a stream that should be running (``DesiredState``) but has no active run
   is started again from its checkpoint (a multi-job application as a whole, with those of its
   jobs that should run). A run that ended cleanly (rolled over, stopped for a
@@ -24,7 +25,7 @@ from streaming.declaration import Job
 from .checks import health_evaluation
 from .resources import LakestreamResource
 from .streams import APP_JOB, APP_OP, DesiredState, jobs_of_run
-from .tables import table_key
+from .tables import landing_key, landing_observation, table_key
 
 MAX_ATTEMPTS = 5
 BACKOFF_S = 30.0
@@ -52,6 +53,19 @@ def health_sensor(jobs: list[Job]) -> dg.SensorDefinition:
                 context.instance.report_runless_asset_event(evaluation)
                 cursor[job.name] = [status, now]
                 reported.append(f"{job.name}: {status}")
+        # The landing folders, observed on the same tick (runless observations: no run, no Spark).
+        for source in {s.name: s for j in jobs for s in j.sources}.values():
+            try:
+                metadata, version = landing_observation(settings, source, jobs)
+            except dg.Failure:
+                continue  # not there yet
+            key = f"landing:{source.name}"
+            last = cursor.get(key)
+            if last is None or last[0] != version or now - last[1] > REPORT_EVERY_S:
+                context.instance.report_runless_asset_event(dg.AssetObservation(
+                    asset_key=landing_key(source.name), metadata=metadata, tags={"dagster/data_version": version}))
+                cursor[key] = [version, now]
+                reported.append(f"landing {source.name}: {metadata['files']} file(s)")
         context.update_cursor(json.dumps(cursor))
         return dg.SkipReason("reported " + ", ".join(reported) if reported else "no change")
 

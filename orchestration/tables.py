@@ -115,23 +115,28 @@ def landing_assets(sources: list[Source], jobs: list[Job]) -> dg.AssetsDefinitio
     def observe(lakestream: LakestreamResource):
         settings = lakestream.settings()
         for source in sources:
-            folder = settings.landing_dir(source.name)
-            try:
-                files = landing_files(folder, settings.storage_options)  # key -> (bytes, mtime ms)
-            except (ValueError, OSError) as exc:
-                raise dg.Failure(f"cannot list {folder}: {exc}") from None
-            readers = [j for j in jobs if source in j.sources]
-            pending = [inspect_checkpoint(j.name, settings.checkpoint_dir(j.name), folder,
-                                          storage_options=settings.storage_options) for j in readers]
-            waiting = max(pending, key=lambda r: r.files_waiting, default=None)
-            newest = max((mtime for _, mtime in files.values()), default=0)
-            yield dg.ObserveResult(
-                asset_key=landing_key(source.name),
-                metadata={"files": len(files), "bytes": sum(size for size, _ in files.values()),
-                          "pending_files": waiting.files_waiting if waiting else len(files),
-                          "pending_bytes": waiting.bytes_waiting if waiting else 0,
-                          "slowest_reader": waiting.job if waiting else "none"},
-                data_version=dg.DataVersion(f"{len(files)}-{newest}"),
-            )
+            metadata, version = landing_observation(settings, source, jobs)
+            yield dg.ObserveResult(asset_key=landing_key(source.name), metadata=metadata,
+                                   data_version=dg.DataVersion(version))
 
     return observe
+
+
+def landing_observation(settings: Settings, source: Source, jobs: list[Job]) -> tuple[dict, str]:
+    """What a landing folder holds (files, bytes, and what its slowest reader has not read yet), and a
+    data version that changes when files arrive. Pure Python (fsspec), no Spark."""
+    folder = settings.landing_dir(source.name)
+    try:
+        files = landing_files(folder, settings.storage_options)  # key -> (bytes, mtime ms)
+    except (ValueError, OSError) as exc:
+        raise dg.Failure(f"cannot list {folder}: {exc}") from None
+    readers = [j for j in jobs if source in j.sources]
+    pending = [inspect_checkpoint(j.name, settings.checkpoint_dir(j.name), folder,
+                                  storage_options=settings.storage_options) for j in readers]
+    waiting = max(pending, key=lambda r: r.files_waiting, default=None)
+    newest = max((mtime for _, mtime in files.values()), default=0)
+    metadata = {"files": len(files), "bytes": sum(size for size, _ in files.values()),
+                "pending_files": waiting.files_waiting if waiting else len(files),
+                "pending_bytes": waiting.bytes_waiting if waiting else 0,
+                "slowest_reader": waiting.job if waiting else "none"}
+    return metadata, f"{len(files)}-{newest}"

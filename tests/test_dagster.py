@@ -285,6 +285,13 @@ def test_checkpoint_health_sensor_reports_healthy_stalled_and_corrupt_checkpoint
     with dg.instance_for_test() as instance:
         run_health_sensor(defs, instance)
         assert evaluation_of(latest_check(instance, MAIN, "checkpoint_health")).passed
+        # the same tick observed the landing folders (no run): the files there, none pending
+        landing_files = [p for p in Path(streamed.landing_dir("payments")).iterdir() if not p.name.startswith(".")]
+        seen = instance.fetch_observations(dg.AssetKey(["landing", "payments"]), limit=1).records
+        observed = seen[0].event_log_entry.asset_observation.metadata
+        assert observed["files"].value == len(landing_files) > 0
+        # purchase_metrics read them all; another reader of payments has never run: every file waits for it
+        assert observed["slowest_reader"].value != "purchase_metrics" and observed["pending_files"].value == len(landing_files)
 
         # stalled: new input waits, and the last commit is an hour old
         landing = Path(streamed.landing_dir("payments"))
@@ -445,3 +452,23 @@ def test_health_sensor_and_volume_checks_judge_a_checkpoint_on_an_object_store_a
         assert damaged.metadata["corrupt"].value is True and not damaged.passed
     finally:
         remove(checkpoints)
+
+
+def test_a_run_outside_dagster_is_recorded_as_materializations(spark, small_landing):
+    """`make demo` (run from a shell) shows in the UI: its tables materialized per day, with its figures."""
+    from orchestration.record import record_outside_run
+    from streaming.jobs import get_job
+
+    job = get_job("purchase_metrics", small_landing)
+    with dg.instance_for_test() as instance:
+        for _ in range(2):  # a second demo records again (no unique-constraint collision)
+            where = record_outside_run(job, [DAY], what="lakestream demo", instance=instance,
+                                       metadata={"lines": 10, "watermark_ms": 1_763_600_000_000})
+        assert where is not None
+        records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=MAIN, asset_partitions=[DAY]),
+                                                  limit=5).records
+        assert len(records) == 2
+        meta = records[0].asset_materialization.metadata
+        assert meta["recorded_from"].value == "lakestream demo" and meta["watermark_time"].value == 1_763_600_000
+        late = instance.fetch_materializations(dg.AssetKey(["lake", "payments", "purchase_metrics_late"]), limit=1)
+        assert late.records

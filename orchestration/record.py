@@ -1,0 +1,67 @@
+"""What ran outside Dagster (``lakestream demo``, ``run``, ``backfill`` from a shell), recorded in the
+Dagster instance of ``$DAGSTER_HOME`` as runless materializations, so the UI shows the tables as
+materialized, with the figures of the run, instead of "Never materialized"."""
+
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+
+from streaming.declaration import Job
+from streaming.runner import describe_watermark
+
+from .tables import table_key
+
+
+DAGSTER_YAML = """\
+# The Dagster instance of lakestream (written once by `make ui` / `make demo`; yours to edit).
+# Embedded default: run, event-log and schedule storage in SQLite under this folder.
+# On a cluster, keep them in Postgres instead (pip install dagster-postgres):
+#   storage:
+#     postgres:
+#       postgres_url:
+#         env: DAGSTER_PG_URL
+telemetry:
+  enabled: false
+"""
+
+
+def ensure_dagster_yaml(dagster_home: str | None = None) -> str:
+    """Write ``$DAGSTER_HOME/dagster.yaml`` unless one exists; returns its path."""
+    home = dagster_home or os.environ.get("DAGSTER_HOME")
+    if not home:
+        raise SystemExit("DAGSTER_HOME is not set; run `make ui` (it sets $LAKESTREAM_HOME/dagster) or export it")
+    os.makedirs(home, exist_ok=True)
+    path = os.path.join(home, "dagster.yaml")
+    if not os.path.exists(path):
+        with open(path, "w") as out:
+            out.write(DAGSTER_YAML)
+    return path
+
+
+def record_outside_run(job: Job, days: list[str], *, what: str, metadata: dict,
+                       instance: dg.DagsterInstance | None = None) -> str | None:
+    """Report the job's main and late tables as materialized for ``days`` (and its quarantine tables).
+    Returns where it was recorded, or None when there is no Dagster instance to record in."""
+    if instance is None:
+        if not os.environ.get("DAGSTER_HOME"):
+            return None
+        ensure_dagster_yaml()
+        instance = dg.DagsterInstance.get()
+    meta = {"recorded_from": what, **metadata}
+    if "watermark_ms" in meta:
+        watermark = meta.pop("watermark_ms")
+        meta["watermark"] = describe_watermark(watermark)
+        if 0 < watermark < 2**61:
+            meta["watermark_time"] = dg.MetadataValue.timestamp(watermark / 1000)
+    for table in (job.sink, job.late_sink):
+        for day in days or [None]:
+            instance.report_runless_asset_event(dg.AssetMaterialization(
+                asset_key=table_key(table), partition=day, metadata=meta,
+                description=f"{what} (outside Dagster)"))
+    for source in job.sources:
+        instance.report_runless_asset_event(dg.AssetMaterialization(
+            asset_key=table_key(source.quarantine), metadata={"recorded_from": what},
+            description=f"{what} (outside Dagster)"))
+    return os.environ.get("DAGSTER_HOME") or "the given instance"
