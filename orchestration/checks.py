@@ -20,7 +20,7 @@ from streaming.declaration import Job, Source
 from streaming.settings import Settings
 
 from .resources import LakestreamResource
-from .tables import table_key
+from .tables import stream_key, table_key
 
 LATE_SHARE_MAX = 0.05  # late events / events
 QUARANTINE_SHARE_MAX = 0.02  # quarantined lines / lines
@@ -33,7 +33,7 @@ def health_evaluation(job: Job, settings: Settings, now_ms: int | None = None,
     report = report or inspect_job(settings, job, now_ms=now_ms)
     h = report.health
     return dg.AssetCheckEvaluation(
-        asset_key=table_key(job.sink), check_name="checkpoint_health", passed=h.status == "healthy",
+        asset_key=stream_key(job), check_name="checkpoint_health", passed=h.status == "healthy",
         severity=dg.AssetCheckSeverity.ERROR if h.status == "error" else dg.AssetCheckSeverity.WARN,
         description="; ".join(h.messages) or "healthy",
         metadata={"status": h.status, "stalled": h.stalled, "backlog_growing": h.backlog_growing,
@@ -53,7 +53,7 @@ def _totals(settings: Settings, job: Job) -> dict | None:
 
 
 def job_checks(job: Job, partitions_def) -> list[dg.AssetChecksDefinition]:
-    main = table_key(job.sink)
+    main = stream_key(job)  # checks of the stream, not of a day of its tables
 
     @dg.asset_check(asset=main, name="checkpoint_health", description="Stalled stream, growing backlog, state growth "
                     "or a corrupt checkpoint, read from the checkpoint (also reported every 30 s by a sensor).")
@@ -73,7 +73,7 @@ def job_checks(job: Job, partitions_def) -> list[dg.AssetChecksDefinition]:
                                              "files_waiting": report.files_waiting},
                                    description="input waits and no recent batch" if stale else "fresh")
 
-    @dg.asset_check(asset=table_key(job.late_sink), name="late_volume",
+    @dg.asset_check(asset=main, name="late_volume",
                     description=f"Late events stay under {LATE_SHARE_MAX:.0%} of the events.")
     def late_volume(lakestream: LakestreamResource) -> dg.AssetCheckResult:
         totals = _totals(lakestream.settings(), job)

@@ -15,7 +15,7 @@ from .resources import LakestreamResource, pyspark_resource
 from .schedules import daily_backfill, savepoint_job, savepoint_schedule
 from .sensors import health_sensor, supervisor_sensor
 from .streams import stream_job, streams_job
-from .tables import landing_assets, partitions, quarantine_spec
+from .tables import landing_assets, partitions, quarantine_spec, stream_spec
 
 
 def build_definitions(settings: Settings | None = None, home: str | None = None) -> dg.Definitions:
@@ -30,7 +30,8 @@ def build_definitions(settings: Settings | None = None, home: str | None = None)
     savepoints = savepoint_job(jobs)
     backfill_job, backfill_schedule = daily_backfill(jobs, bounded, days)
     return dg.Definitions(
-        assets=[landing_assets(sources, jobs), *[quarantine_spec(settings, s) for s in sources], *bounded, marts],
+        assets=[landing_assets(sources, jobs), *[quarantine_spec(settings, s) for s in sources],
+                *[stream_spec(j) for j in jobs], *bounded, marts],
         asset_checks=[*[c for j in jobs for c in job_checks(j, days)], *[quarantine_check(s, jobs) for s in sources]],
         jobs=[*streams, savepoints, backfill_job,
               dg.define_asset_job("marts_build", selection=dg.AssetSelection.assets(marts),

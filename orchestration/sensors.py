@@ -25,7 +25,7 @@ from streaming.declaration import Job
 from .checks import health_evaluation
 from .resources import LakestreamResource
 from .streams import APP_JOB, APP_OP, DesiredState, jobs_of_run
-from .tables import landing_key, landing_observation, table_key
+from .tables import landing_key, landing_observation, stream_key
 
 MAX_ATTEMPTS = 5
 BACKOFF_S = 30.0
@@ -168,7 +168,7 @@ def supervise(instance: dg.DagsterInstance, job: Job, now: float | None = None,
 
 def _report(instance: dg.DagsterInstance, job: Job, passed: bool, text: str, attempt: int) -> None:
     instance.report_runless_asset_event(dg.AssetCheckEvaluation(
-        asset_key=table_key(job.sink), check_name="stream_supervisor", passed=passed,
+        asset_key=stream_key(job), check_name="stream_supervisor", passed=passed,
         severity=dg.AssetCheckSeverity.WARN if passed else dg.AssetCheckSeverity.ERROR,
         description=text, metadata={"attempt": attempt},
     ))

@@ -78,6 +78,23 @@ def _type(value) -> str:
     return value if isinstance(value, str) else value.get("type", "struct")
 
 
+def stream_key(job: Job) -> dg.AssetKey:
+    return dg.AssetKey(["streams", job.name])
+
+
+def stream_spec(job: Job) -> dg.AssetSpec:
+    """The stream of a job as an asset of its own (not materializable: it runs): the checks about the
+    stream (checkpoint health, freshness, supervisor, late volume) live here, unpartitioned, apart from the
+    day-partitioned tables it writes."""
+    return dg.AssetSpec(
+        stream_key(job), deps=[landing_key(s.name) for s in job.sources], group_name="streams", kinds={"spark"},
+        owners=[f"team:{job.owner}"],
+        description=f"The stream of {job.name} (`{job.name}_stream`, or `lakestream run {job.name}`): its "
+                    f"checkpoint, health and supervision. It writes {job.sink.name} and {job.late_sink.name}.",
+        metadata={"job": job.name}, tags={"lakestream/role": "stream"},
+    )
+
+
 def table_spec(settings: Settings, job: Job, table: Table, role: str, partitions_def) -> dg.AssetSpec:
     fmt = settings.format_of(job.name)
     schema = columns(settings, table, fmt)
@@ -88,7 +105,7 @@ def table_spec(settings: Settings, job: Job, table: Table, role: str, partitions
     if schema is not None:
         metadata["dagster/column_schema"] = schema
     return dg.AssetSpec(
-        table_key(table), deps=[landing_key(s.name) for s in job.sources], description=what,
+        table_key(table), deps=[*[landing_key(s.name) for s in job.sources], stream_key(job)], description=what,
         group_name=table.domain, owners=[f"team:{job.owner}"], kinds={fmt, "spark"}, metadata=metadata,
         partitions_def=partitions_def, tags={"lakestream/role": role},
     )

@@ -24,6 +24,7 @@ from tests import oracle
 from tests.conftest import SMALL, write_config
 
 MAIN = dg.AssetKey(["lake", "payments", "purchase_metrics"])
+STREAM = dg.AssetKey(["streams", "purchase_metrics"])  # the checks about the stream live here
 DAY = SMALL.start.strftime("%Y-%m-%d")
 
 
@@ -61,7 +62,12 @@ def test_definitions_load_with_lineage_from_landing_through_jobs_to_the_marts(la
     for job in ("purchase_metrics_stream", "user_sessions_stream", "savepoint_before_deploy", "daily_backfill"):
         assert defs.resolve_job_def(job) is not None
     checks = {k.name for k in graph.asset_check_keys if k.asset_key == MAIN}
-    assert {"reconciliation", "checkpoint_health", "freshness", "stream_supervisor"} <= checks
+    assert checks == {"reconciliation"}  # per day, evaluated by each materialization of the day
+    # the stream is an asset of its own between the landing zone and its tables, with the checks about it
+    # (unpartitioned checks on the day-partitioned table stayed "In Progress" after every partitioned run)
+    assert {k.name for k in graph.asset_check_keys if k.asset_key == STREAM} == {
+        "checkpoint_health", "freshness", "stream_supervisor", "late_volume"}
+    assert dg.AssetKey(["landing", "payments"]) in graph.get(STREAM).parent_keys and STREAM in graph.get(MAIN).parent_keys
     assert any(k.asset_key == mart for k in graph.asset_check_keys), "dbt tests are asset checks"
 
 
@@ -284,7 +290,7 @@ def test_checkpoint_health_sensor_reports_healthy_stalled_and_corrupt_checkpoint
     checkpoint = Path(streamed.checkpoint_dir("purchase_metrics"))
     with dg.instance_for_test() as instance:
         run_health_sensor(defs, instance)
-        assert evaluation_of(latest_check(instance, MAIN, "checkpoint_health")).passed
+        assert evaluation_of(latest_check(instance, STREAM, "checkpoint_health")).passed
         # the same tick observed the landing folders (no run): the files there, none pending
         landing_files = [p for p in Path(streamed.landing_dir("payments")).iterdir() if not p.name.startswith(".")]
         seen = instance.fetch_observations(dg.AssetKey(["landing", "payments"]), limit=1).records
@@ -301,13 +307,13 @@ def test_checkpoint_health_sensor_reports_healthy_stalled_and_corrupt_checkpoint
         for commit in (checkpoint / "commits").iterdir():
             os.utime(commit, (hour_ago, hour_ago))
         run_health_sensor(defs, instance)
-        idle = evaluation_of(latest_check(instance, MAIN, "checkpoint_health"))
+        idle = evaluation_of(latest_check(instance, STREAM, "checkpoint_health"))
         # no stream runs: input waiting is a warning (on-demand use), not a stall
         assert not idle.passed and idle.severity == dg.AssetCheckSeverity.WARN and "idle" in idle.description
         # a process runs the stream and commits nothing for an hour: stalled
         (checkpoint / "lakestream" / "running").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         run_health_sensor(defs, instance)
-        stalled = evaluation_of(latest_check(instance, MAIN, "checkpoint_health"))
+        stalled = evaluation_of(latest_check(instance, STREAM, "checkpoint_health"))
         assert not stalled.passed and stalled.severity == dg.AssetCheckSeverity.ERROR
         assert stalled.metadata["stalled"].value is True
         (checkpoint / "lakestream" / "running").unlink()
@@ -316,7 +322,7 @@ def test_checkpoint_health_sensor_reports_healthy_stalled_and_corrupt_checkpoint
         newest = max((p for p in (checkpoint / "offsets").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
         newest.write_text("v1\n{not json")
         run_health_sensor(defs, instance)
-        corrupt = evaluation_of(latest_check(instance, MAIN, "checkpoint_health"))
+        corrupt = evaluation_of(latest_check(instance, STREAM, "checkpoint_health"))
         assert corrupt.metadata["corrupt"].value is True and "offsets" in corrupt.description
 
 
@@ -340,7 +346,7 @@ def test_supervisor_restarts_a_crashed_stream_with_backoff_but_not_a_terminated_
         retry = supervise(instance, job, now=now + 31)
         assert retry.tags["lakestream/restart-attempt"] == "2" and retry.tags["lakestream/restart-of"] == failed.run_id
         assert retry.tags["lakestream/restart-reason"] == "crashed"
-        check = evaluation_of(latest_check(instance, MAIN, "stream_supervisor"))
+        check = evaluation_of(latest_check(instance, STREAM, "stream_supervisor"))
         assert "restarted purchase_metrics_stream" in check.description
 
         run = instance.get_run_by_id(failed.run_id)
@@ -420,11 +426,11 @@ def test_health_sensor_and_volume_checks_judge_a_checkpoint_on_an_object_store_a
     def verdicts(defs, home):
         with dg.instance_for_test() as instance:
             run_health_sensor(defs, instance)
-            record = latest_check(instance, MAIN, "checkpoint_health")
+            record = latest_check(instance, STREAM, "checkpoint_health")
             health = evaluation_of(record) if record else None
         resource = LakestreamResource(home=str(home))
         volumes = {}
-        for check in (dg.AssetCheckKey(dg.AssetKey(["lake", "payments", "purchase_metrics_late"]), "late_volume"),
+        for check in (dg.AssetCheckKey(STREAM, "late_volume"),
                       dg.AssetCheckKey(dg.AssetKey(["lake", "quarantine", "payments"]), "quarantine_volume")):
             fn = next(c for c in defs.asset_checks if check in c.check_keys)
             result = fn(lakestream=resource)

@@ -131,6 +131,23 @@ class Servers:
                  for e in events["logsForRun"]["events"]]
         return "\n".join(lines[-last:])
 
+    def backfill(self, days: list[str], force: bool, timeout: float = 420) -> dict:
+        """A partition backfill of purchase_metrics' tables, as the UI launches it; its final state."""
+        launched = self.gql(
+            "mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) { __typename "
+            "... on LaunchBackfillSuccess { backfillId } ... on PythonError { message } } }",
+            {"p": {"partitionNames": days, "assetSelection": [{"path": MAIN}, {"path": MAIN[:-1] + ["purchase_metrics_late"]}],
+                   "runConfigData": {"ops": {"purchase_metrics_bounded": {"config": {"force": force}}}}}})
+        backfill_id = launched["launchPartitionBackfill"]["backfillId"]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.gql("query($id: String!) { partitionBackfillOrError(backfillId: $id) { ... on PartitionBackfill "
+                             "{ status runs(limit: 5) { runId status } } } }", {"id": backfill_id})["partitionBackfillOrError"]
+            if state["status"] not in ("REQUESTED",):
+                return state
+            time.sleep(3)
+        raise AssertionError(f"backfill {backfill_id} still running after {timeout}s: {state}")
+
     def materializations(self, key: list[str]) -> list[dict]:
         data = self.gql("query($k: AssetKeyInput!) { assetOrError(assetKey: $k) { ... on Asset { "
                         "assetMaterializations(limit: 200) { runId partition metadataEntries { label } } } } }",
@@ -190,32 +207,31 @@ def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partitio
     with DagsterInstance.from_config(str(servers.dagster_home)) as instance:
         assert DesiredState(instance, "purchase_metrics").get()["state"] == "stopped"  # not restarted
 
-    backfill = servers.gql(
-        "mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) { __typename "
-        "... on LaunchBackfillSuccess { backfillId } ... on PythonError { message } } }",
-        {"p": {"partitionNames": [DAY], "assetSelection": [{"path": MAIN}, {"path": MAIN[:-1] + ["purchase_metrics_late"]}],
-               # the day is not final under the stream's watermark yet: the backfill overrides (see --force)
-               "runConfigData": {"ops": {"purchase_metrics_bounded": {"config": {"force": True}}}}}})
-    backfill_id = backfill["launchPartitionBackfill"]["backfillId"]
-    deadline = time.monotonic() + 420
-    while time.monotonic() < deadline:
-        state = servers.gql("query($id: String!) { partitionBackfillOrError(backfillId: $id) { ... on PartitionBackfill "
-                            "{ status runs(limit: 5) { runId status } } } }", {"id": backfill_id})["partitionBackfillOrError"]
-        if state["status"] not in ("REQUESTED",):
-            break
-        time.sleep(3)
-    assert state["status"] == "COMPLETED_SUCCESS", state
-    backfill_run = state["runs"][0]["runId"]
-    assert any(m["runId"] == backfill_run and m["partition"] == DAY for m in servers.materializations(MAIN))
+    # The same day backfilled three times (a retry, a re-run, the schedule): each passes, each evaluates the
+    # day's reconciliation in its own run (it used to fail on a UNIQUE constraint from the second on).
+    runs = []
+    for attempt in range(3):
+        state = servers.backfill([DAY], force=True)  # the day is not final under the stream's watermark: force
+        assert state["status"] == "COMPLETED_SUCCESS", (attempt, state, servers.run_log(state["runs"][0]["runId"]))
+        runs.append(state["runs"][0]["runId"])
+        assert any(m["runId"] == runs[-1] and m["partition"] == DAY for m in servers.materializations(MAIN))
     with DagsterInstance.from_config(str(servers.dagster_home)) as instance:
         from dagster import AssetCheckKey, AssetKey
         from dagster._core.event_api import PartitionKeyFilter
 
         records = instance.event_log_storage.get_asset_check_execution_history(
-            AssetCheckKey(AssetKey(MAIN), "reconciliation"), limit=5, partition_filter=PartitionKeyFilter(key=DAY))
-        assert records, "the backfill reported the day's reconciliation"
-        evaluation = records[0].event.dagster_event.event_specific_data
-        assert evaluation.passed and evaluation.metadata["compared"].value > 0
+            AssetCheckKey(AssetKey(MAIN), "reconciliation"), limit=10, partition_filter=PartitionKeyFilter(key=DAY))
+        assert {r.run_id for r in records} == set(runs), "one evaluation of the day per backfill run"
+        for record in records:
+            evaluation = record.event.dagster_event.event_specific_data
+            assert evaluation.passed and evaluation.metadata["compared"].value > 0
+            assert "before the replace" in evaluation.description  # never the bounded result against itself
+
+    # Without force the stream's day is refused: the run fails with the launchpad's fix, not a stack trace
+    state = servers.backfill([DAY], force=False)
+    assert state["status"] in ("COMPLETED_FAILED", "FAILED"), state
+    log = servers.run_log(state["runs"][0]["runId"], last=200)
+    assert "force: true" in log and "purchase_metrics_bounded" in log, log
 
 
 def test_the_ui_shows_the_lineage_from_landing_through_the_job_to_a_dbt_mart(servers, tmp_path):
