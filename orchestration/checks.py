@@ -42,7 +42,8 @@ def health_evaluation(job: Job, settings: Settings, now_ms: int | None = None,
                   "longest_recent_batch_s": round(max(report.recent_batch_seconds, default=0.0), 1),
                   "last_committed_batch": report.last_committed_batch if report.last_committed_batch is not None else -1,
                   "files_waiting": report.files_waiting, "state_bytes": report.state_bytes,
-                  "watermark_ms": report.watermark_ms or 0},
+                  **({"watermark": dg.MetadataValue.timestamp(report.watermark_ms / 1000)}
+                     if report.watermark_ms and 0 < report.watermark_ms < 2**61 else {})},
     )
 
 

@@ -266,9 +266,14 @@ def _run_streams(context: dg.OpExecutionContext, names: list[str], config, from_
         context.log.info(f"rolled over after {config.rollover_after}; the supervisor starts the next run")
     for report in reports:
         s = report.stats
+        if report.totals is not None:
+            watermark = report.totals.watermark_out_ms
+        else:  # no batch this run: the checkpoint still holds the stream's watermark
+            from streaming.checkpoint import inspect_job
+
+            watermark = inspect_job(settings, get_job(report.job, settings)).watermark_ms
         context.log.info(f"{report.job}: {report.batches} batch(es), {s.lines:,} lines, {s.rows_written:,} rows "
-                         f"written; watermark "
-                         f"{describe_watermark(report.totals.watermark_out_ms if report.totals else None)}")
+                         f"written; watermark {describe_watermark(watermark)}")
 
 
 def stream_job(job: Job, partitions_def) -> dg.JobDefinition:

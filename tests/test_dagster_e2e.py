@@ -230,35 +230,109 @@ def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partitio
     # Without force the stream's day is refused: the run fails with the launchpad's fix, not a stack trace
     state = servers.backfill([DAY], force=False)
     assert state["status"] in ("COMPLETED_FAILED", "FAILED"), state
-    log = servers.run_log(state["runs"][0]["runId"], last=200)
-    assert "force: true" in log and "purchase_metrics_bounded" in log, log
+    with DagsterInstance.from_config(str(servers.dagster_home)) as instance:
+        failures = [e.dagster_event.step_failure_data.error for e in instance.all_logs(state["runs"][0]["runId"])
+                    if e.dagster_event is not None and e.dagster_event.event_type_value == "STEP_FAILURE"]
+    assert failures and failures[0].cls_name == "Failure", failures
+    assert "force: true" in failures[0].message and "purchase_metrics_bounded" in failures[0].message
 
 
-def test_the_ui_shows_the_lineage_from_landing_through_the_job_to_a_dbt_mart(servers, tmp_path):
+ARTIFACTS = Path(os.environ.get("LAKESTREAM_TEST_ARTIFACTS", REPO / "test-artifacts")) / "dagster-ui"
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("Debian's chromium is not installed (apt-get install chromium); .ci/run installs it")
     from playwright.sync_api import sync_playwright
 
-    base = f"http://127.0.0.1:{servers.port}/assets"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=chromium, headless=True, viewport={"width": 1600, "height": 1000},
+        context = p.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("profile")), executable_path=chromium, headless=True,
+            viewport={"width": 1600, "height": 1000},
             args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"])
-        page = browser.new_page()
+        yield context
+        context.close()
 
-        def upstream_of(path: str) -> tuple[list[str], str]:
-            page.goto(f"{base}/{path}?view=lineage&lineageScope=upstream&lineageDepth=1", wait_until="networkidle",
-                      timeout=120_000)
-            page.wait_for_selector("text=Lineage", timeout=60_000)
-            page.wait_for_timeout(2000)
-            links = page.eval_on_selector_all("a[href*='/assets/']", "els => els.map(e => e.getAttribute('href'))")
-            return links, page.inner_text("body")
 
-        links, _ = upstream_of("lake/marts/user_daily_activity")  # the dbt mart ...
-        assert any(link.startswith("/assets/lake/payments/purchase_metrics") for link in links)  # ... reads the job's table
-        links, text = upstream_of("lake/payments/purchase_metrics")  # which reads the landing zone
-        page.screenshot(path=str(tmp_path / "lineage.png"))
-        browser.close()
-    assert "landing" in text and "payments" in text and "json" in text
+def _open(page, url: str) -> None:
+    page.goto(url, wait_until="networkidle", timeout=120_000)
+    page.wait_for_timeout(2000)
+    skip = page.get_by_role("button", name="Skip")  # Dagster's "join the community" dialog, on a first visit
+    if skip.count():
+        skip.first.click()
+        page.wait_for_timeout(500)
+
+
+def test_the_ui_backfills_a_day_twice_and_shows_the_checks_partitions_and_the_stream(servers, browser):
+    """Clicked as a user does: the table's launchpad, the day, `force: true`, Materialize — twice; then
+    the reconciliation check's Partitions tab and the stream's own checks. Screenshots in ARTIFACTS."""
+    base = f"http://127.0.0.1:{servers.port}"
+    page = browser.new_page()
+    for attempt in (1, 2):
+        _open(page, f"{base}/assets/{'/'.join(MAIN)}")
+        page.locator("button:right-of(:text('Materialize…'))").first.click()  # the menu beside Materialize
+        page.get_by_text("Open launchpad", exact=True).click()
+        page.get_by_role("button", name="Confirm").click()  # the late table comes along (one multi-asset)
+        partition = page.get_by_placeholder("Partition")
+        partition.click()
+        partition.fill(DAY)
+        page.wait_for_timeout(1000)
+        page.keyboard.press("Enter")
+        page.wait_for_timeout(1000)
+        editor = page.locator(".CodeMirror")
+        assert "spark.jars" not in editor.inner_text() and "/" not in editor.inner_text()  # no machine paths
+        editor.get_by_text("false", exact=True).dblclick()  # force: false -> true (the day is the stream's)
+        page.keyboard.type("true")
+        page.wait_for_timeout(1000)
+        page.screenshot(path=str(ARTIFACTS / f"launchpad-{attempt}.png"))
+        page.get_by_role("button", name="Materialize").last.click()
+        page.wait_for_url("**/runs/**", timeout=60_000)
+        run_id = page.url.rstrip("/").rsplit("/", 1)[-1].split("?")[0]
+        assert servers.wait_run(run_id, timeout=420) == "SUCCESS", servers.run_log(run_id)
+        _open(page, f"{base}/runs/{run_id}")
+        page.screenshot(path=str(ARTIFACTS / f"backfill-run-{attempt}.png"))
+
+    _open(page, f"{base}/assets/{'/'.join(MAIN)}?view=checks")
+    page.get_by_text("reconciliation", exact=True).first.click()
+    page.wait_for_timeout(2000)
+    page.get_by_text("Partitions", exact=True).nth(1).click()  # the check's tab (the first is the asset's)
+    page.wait_for_timeout(3000)
+    text = page.inner_text("body")
+    page.screenshot(path=str(ARTIFACTS / "reconciliation-partitions.png"))
+    assert "Passed (1)" in text and "In Progress (0)" in text and "Execution Failed (0)" in text, text[:2000]
+
+    _open(page, f"{base}/assets/streams/purchase_metrics?view=checks")
+    page.wait_for_timeout(2000)
+    text = page.inner_text("body")
+    page.screenshot(path=str(ARTIFACTS / "stream-checks.png"))
+    assert "checkpoint_health" in text and "stream_supervisor" in text
+    assert "In Progress" not in text  # the stream's checks are not planned by the table's backfills
+
+    _open(page, f"{base}/assets/{'/'.join(MAIN)}?view=events")
+    text = page.inner_text("body")
+    page.screenshot(path=str(ARTIFACTS / "table-events.png"))
+    assert "dagster/row_count" in text
+    page.close()
+
+
+def test_the_ui_shows_the_lineage_from_landing_through_the_job_to_a_dbt_mart(servers, browser):
+    base = f"http://127.0.0.1:{servers.port}/assets"
+    page = browser.new_page()
+
+    def upstream_of(path: str) -> tuple[list[str], str]:
+        _open(page, f"{base}/{path}?view=lineage&lineageScope=upstream&lineageDepth=1")
+        page.wait_for_selector("text=Lineage", timeout=60_000)
+        page.wait_for_timeout(2000)
+        links = page.eval_on_selector_all("a[href*='/assets/']", "els => els.map(e => e.getAttribute('href'))")
+        return links, page.inner_text("body")
+
+    links, _ = upstream_of("lake/marts/user_daily_activity")  # the dbt mart ...
+    assert any(link.startswith("/assets/lake/payments/purchase_metrics") for link in links)  # ... reads the job's table
+    links, text = upstream_of("lake/payments/purchase_metrics")  # which reads the landing zone and the stream
+    page.screenshot(path=str(ARTIFACTS / "lineage.png"))
+    page.close()
+    assert "landing" in text and "payments" in text and "json" in text and "streams" in text
