@@ -36,7 +36,7 @@ from streaming.runner import describe_watermark, run_streams
 from streaming.tables import job_sinks
 
 from .resources import LakestreamResource
-from .tables import day_keys, table_key
+from .tables import day_keys, stream_key, table_key
 
 STREAM_TAG = "lakestream/stream"
 
@@ -152,6 +152,19 @@ class MaterializationReporter:
                 asset_key=table_key(table), partition=day, metadata=metadata,
                 description=None if e["complete"] else f"partial day: the stream has reached "
                                                       f"{describe_watermark(e['watermark'])}"))
+        if self.pending:
+            # One unpartitioned observation of the stream per flush: its figures plot as time series on the
+            # stream's asset (the tables' per-partition materializations plot one dot per day).
+            latest = max(self.pending.values(), key=lambda e: e["batches"][-1])
+            batches = sorted({b for e in self.pending.values() for b in e["batches"]})
+            self.context.log_event(dg.AssetObservation(asset_key=stream_key(self.job), metadata={
+                "last_batch": batches[-1], "batches": len(batches),
+                "input_rows_per_s": round(latest["input_rate"], 1),
+                "processed_rows_per_s": round(latest["processing_rate"], 1),
+                "batch_seconds": round(latest["seconds"] / len(latest["batches"]), 2),
+                "watermark_lag_s": round(latest["lag_s"], 1), "state_rows": latest["state_rows"],
+                "late_events": latest["late"], "quarantined_lines": latest["quarantined"],
+            }))
         self.pending.clear()
         self.last_flush = time.monotonic()
 

@@ -102,6 +102,8 @@ def test_a_stream_run_records_a_materialization_per_batch_and_partition(spark, s
         events = [e.event_specific_data.materialization for e in result.all_events
                   if e.event_type_value == "ASSET_MATERIALIZATION"]
         main = [m for m in events if m.asset_key == MAIN]
+        observed = [e.event_specific_data.asset_observation for e in result.all_events
+                    if e.event_type_value == "ASSET_OBSERVATION"]
         logs = [r.user_message for r in instance.all_logs(result.run_id)]
         again = job.execute_in_process(instance=instance, run_config=stream_config())  # nothing new to read
         summary = [r.user_message for r in instance.all_logs(again.run_id) if "batch(es)" in r.user_message]
@@ -116,6 +118,9 @@ def test_a_stream_run_records_a_materialization_per_batch_and_partition(spark, s
     assert all(isinstance(m.metadata["batch_seconds"].value, float) and
                m.metadata["batch_seconds"].value == round(m.metadata["batch_seconds"].value, 2) for m in main)
     assert max(m.metadata["state_rows"].value for m in main) > 0  # the windowed job's store, not Spark's (none)
+    # the stream's own asset gets an unpartitioned observation per flush: its figures plot over time
+    assert len(observed) >= 2 and all(o.asset_key == STREAM for o in observed)
+    assert [o.metadata["last_batch"].value for o in observed] == sorted(o.metadata["last_batch"].value for o in observed)
     # an empty run reports the watermark its checkpoint holds, not "-inf"
     assert summary and "0 batch(es)" in summary[0] and "-inf" not in summary[0] and DAY in summary[0], summary
     day_end_ms = (datetime.fromisoformat(DAY).replace(tzinfo=timezone.utc) + timedelta(days=1)).timestamp() * 1000

@@ -236,6 +236,34 @@ def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partitio
     assert failures and failures[0].cls_name == "Failure", failures
     assert "force: true" in failures[0].message and "purchase_metrics_bounded" in failures[0].message
 
+    # The stream's run logged a line per batch; its figures are rounded; the stream asset plots them over time
+    stream_log = servers.run_log(run_id, last=2000)
+    assert "purchase_metrics batch 0:" in stream_log and "purchase_metrics batch 1:" in stream_log, stream_log[-2000:]
+    with DagsterInstance.from_config(str(servers.dagster_home)) as instance:
+        from dagster import AssetCheckKey, AssetKey
+
+        stream_asset = AssetKey(["streams", "purchase_metrics"])
+        observations = instance.fetch_observations(stream_asset, limit=50).records
+        assert len(observations) >= 2
+        meta = observations[0].event_log_entry.asset_observation.metadata
+        assert meta["batch_seconds"].value == round(meta["batch_seconds"].value, 2) and meta["state_rows"].value > 0
+        # the daemon's checkpoint_health sensor observed the landing folder on its own
+        assert instance.fetch_observations(AssetKey(["landing", "payments"]), limit=1).records
+
+    # Input waiting with no stream running (the normal state of on-demand use) is a warning, not a stall
+    (servers.lake / "landing" / "payments" / "zz-arrived-later.jsonl").write_text("not json\n")
+    deadline = time.monotonic() + 150
+    description = ""
+    while time.monotonic() < deadline and "idle" not in description:
+        time.sleep(5)
+        with DagsterInstance.from_config(str(servers.dagster_home)) as instance:
+            records = instance.event_log_storage.get_asset_check_execution_history(
+                AssetCheckKey(stream_asset, "checkpoint_health"), limit=1)
+            evaluation = records[0].event.dagster_event.event_specific_data if records else None
+            description = evaluation.description if evaluation else ""
+    assert "idle" in description, description
+    assert evaluation.severity.value == "WARN" and "stalled" not in description
+
 
 ARTIFACTS = Path(os.environ.get("LAKESTREAM_TEST_ARTIFACTS", REPO / "test-artifacts")) / "dagster-ui"
 
