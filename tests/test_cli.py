@@ -46,6 +46,7 @@ def test_bad_date_range(start, end, phrase):
 def test_missing_java_is_reported_with_the_fix(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
     env["PATH"] = str(tmp_path)  # no java here
+    env["LAKESTREAM_BUNDLED_JAVA"] = "0"  # and not the virtualenv's JRE either
     result = lakestream("run", "purchase_metrics", env=env, home=str(tmp_path))
     assert_one_line_error(result, "Java 17 is required")
     assert "JAVA_HOME" in result.stderr
