@@ -56,7 +56,9 @@ class Servers:
         return result["data"]
 
     def start(self) -> None:
-        self.dagster_home.mkdir(parents=True)
+        from orchestration.record import ensure_dagster_yaml
+
+        ensure_dagster_yaml(str(self.dagster_home))  # as `make ui` does
         (self.root / "workspace.yaml").write_text(
             f"load_from:\n  - python_module:\n      module_name: {LOCATION}\n      working_directory: {REPO}\n")
         env = {**os.environ, "DAGSTER_HOME": str(self.dagster_home), "LAKESTREAM_HOME": str(self.lake),
@@ -167,6 +169,29 @@ def servers(tmp_path_factory):
     yield servers
     servers.stop()
     assert servers.leftovers() == [], "a server process (or one of its children) outlived the stop"
+
+
+def test_the_instance_config_the_mode_choice_and_a_run_outside_dagster(servers):
+    # `make ui`'s dagster.yaml is read: no warning about a missing instance configuration
+    assert "dagster.yaml" in os.listdir(servers.dagster_home)
+    assert "No dagster instance configuration file" not in (servers.root / "webserver.log").read_text()
+    # mode is a choice: a typo is refused by the launchpad's validation, before any run starts
+    refused = servers.gql(
+        "mutation($p: ExecutionParams!) { launchRun(executionParams: $p) { __typename "
+        "... on RunConfigValidationInvalid { errors { message } } } }",
+        {"p": {"selector": {"repositoryLocationName": LOCATION, "repositoryName": "__repository__",
+                            "jobName": "purchase_metrics_stream"},
+               "runConfigData": {"ops": {"purchase_metrics": {"config": {"mode": "continous"}}}}}})["launchRun"]
+    assert refused["__typename"] == "RunConfigValidationInvalid", refused
+    # a run from a shell (`make demo`) recorded in this instance shows on the table in the UI's API
+    env = {**os.environ, "DAGSTER_HOME": str(servers.dagster_home), "LAKESTREAM_HOME": str(servers.lake)}
+    code = ("from orchestration.record import record_outside_run; from streaming.jobs import get_job; "
+            f"print(record_outside_run(get_job('purchase_metrics'), ['{DAY}'], what='lakestream demo', "
+            "metadata={'lines': 1}))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    late = servers.materializations(MAIN[:-1] + ["purchase_metrics_late"])
+    assert any(m["partition"] == DAY and not m["runId"] for m in late), late
 
 
 def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partition(servers):
