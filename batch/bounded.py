@@ -20,9 +20,10 @@ from pyspark.sql import functions as F
 
 from streaming.declaration import Job, KeyedJob
 from streaming.durations import from_epoch_ms
-from streaming.engine import POS_INF_MS, SOURCE, BatchStats, parse_sources, plan_batch
+from streaming.engine import POS_INF_MS, BatchStats, parse_sources, plan_batch
 from streaming.errors import DateRangeError
 from streaming.hadoopfs import HadoopFS
+from streaming.landing import read_source, union
 from streaming.settings import Settings
 
 
@@ -31,16 +32,11 @@ def read_landing(spark, settings: Settings, job: Job) -> DataFrame:
     fs = HadoopFS(spark)
     frames = []
     for source in job.sources:
-        landing = settings.landing_dir(source.name)
+        landing = settings.landing_dir(source)
         if not fs.exists(landing):
             raise DateRangeError(f"no landing data at {landing}; run `lakestream generate` first or fix 'landing'")
-        frames.append(spark.read.format("text").load(landing).select(
-            "value", F.col("_metadata.file_path").alias("source_file"), F.lit(source.name).alias(SOURCE)
-        ))
-    raw = frames[0]
-    for frame in frames[1:]:
-        raw = raw.unionByName(frame)
-    return raw
+        frames.append(read_source(spark, landing, source, stream=False))
+    return union(frames)
 
 
 @dataclass

@@ -164,7 +164,7 @@ def unread_files(settings: Settings, job: Job) -> list[str]:
     """Landing files the stream has not read yet (from its checkpoint's source log)."""
     from streaming.checkpoint import inspect_job, landing_files
 
-    folders = [settings.landing_dir(s.name) for s in job.sources]
+    folders = [settings.landing_dir(s) for s in job.sources]
     report = inspect_job(settings, job)
     if not report.files_waiting and not report.files_in_flight:
         return []
@@ -184,14 +184,14 @@ def _mark_unread_input(spark, settings: Settings, job: Job, units: DataFrame) ->
     files = unread_files(settings, job)
     if not files:
         return units
-    from streaming.engine import SOURCE, parse_sources, plan_batch
+    from streaming.engine import parse_sources, plan_batch
+    from streaming.landing import read_source
 
     raw = None
     for source in job.sources:
-        mine = [f for f in files if f.startswith(settings.landing_dir(source.name).rstrip("/") + "/")]
+        mine = [f for f in files if f.startswith(settings.landing_dir(source).rstrip("/") + "/")]
         if mine:
-            frame = spark.read.format("text").load(mine).select(
-                "value", F.col("_metadata.file_path").alias("source_file"), F.lit(source.name).alias(SOURCE))
+            frame = read_source(spark, mine, source, stream=False)
             raw = frame if raw is None else raw.unionByName(frame)
     if raw is None:
         return units
@@ -211,8 +211,16 @@ def _mark_unread_input(spark, settings: Settings, job: Job, units: DataFrame) ->
                                               F.lit("in_flight")).otherwise(F.col("status")))
 
 
-def _same(columns: list[str]) -> F.Column:
-    return reduce(lambda a, b: a & b, [F.col(f"b_{c}").eqNullSafe(F.col(f"s_{c}")) for c in columns], F.lit(True))
+def _same(columns: list[str], approximate: frozenset[str] = frozenset()) -> F.Column:
+    """Both sides hold the same values; floating-point columns within a relative 1e-9: a sum of doubles
+    depends on the order it is added in, and a stream adds per micro-batch."""
+    def same(c: str) -> F.Column:
+        b, s = F.col(f"b_{c}"), F.col(f"s_{c}")
+        if c not in approximate:
+            return b.eqNullSafe(s)
+        close = F.abs(b - s) <= F.lit(1e-9) * F.greatest(F.lit(1.0), F.abs(b), F.abs(s))
+        return b.eqNullSafe(s) | F.coalesce(close, F.lit(False))
+    return reduce(lambda a, b: a & b, [same(c) for c in columns], F.lit(True))
 
 
 def _window_units(job, bounded: DataFrame, streamed: DataFrame, late: DataFrame, watermark: int) -> DataFrame:
@@ -224,7 +232,8 @@ def _window_units(job, bounded: DataFrame, streamed: DataFrame, late: DataFrame,
     # A window is identified by its keys and start (unique on both sides): explanations join back on them.
     units = b.join(s, keys, "full_outer")
     end = F.coalesce(F.col("b_window_end"), F.col("s_window_end"))
-    matched = F.coalesce(F.col("_b"), F.lit(False)) & F.coalesce(F.col("_s"), F.lit(False)) & _same(values)
+    floating = frozenset(f.name for f in bounded.schema.fields if isinstance(f.dataType, (T.DoubleType, T.FloatType)))
+    matched = F.coalesce(F.col("_b"), F.lit(False)) & F.coalesce(F.col("_s"), F.lit(False)) & _same(values, floating)
     if isinstance(job.window, Session):  # a late event within a gap of the session would have joined it
         gap = F.expr(f"INTERVAL {job.window.gap_ms} MILLISECONDS")
         events = late.select(*[F.col(k).alias(f"_l_{k}") for k in job.keys], F.col(job.source.event_time).alias("_lt"))

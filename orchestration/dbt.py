@@ -23,7 +23,7 @@ from streaming.errors import ConfigError
 from streaming.session import spark_conf
 from streaming.settings import Settings
 
-DBT_DIR = Path(__file__).resolve().parents[1] / "dbt"
+DBT_DIR = Path(__file__).resolve().parents[1] / "dbt"  # the built-in example project's dbt project
 DBT = Path(sys.executable).with_name("dbt")
 
 
@@ -44,21 +44,21 @@ def write_profiles(settings: Settings) -> Path:
 
 
 @lru_cache(maxsize=4)
-def dbt_project(profiles: Path) -> DbtProject:
-    return DbtProject(project_dir=DBT_DIR, target_path=DBT_DIR / "target", profiles_dir=profiles)
+def dbt_project(profiles: Path, project_dir: Path = DBT_DIR) -> DbtProject:
+    return DbtProject(project_dir=project_dir, target_path=project_dir / "target", profiles_dir=profiles)
 
 
 def ensure_manifest(project: DbtProject) -> Path:
     """The project's manifest, parsed once (``dbt parse`` needs no Spark)."""
     if not project.manifest_path.exists():
         result = subprocess.run(
-            [str(DBT), "parse", "--project-dir", str(DBT_DIR), "--profiles-dir", str(project.profiles_dir),
+            [str(DBT), "parse", "--project-dir", str(project.project_dir), "--profiles-dir", str(project.profiles_dir),
              "--target-path", str(project.target_path), "--quiet"],
             capture_output=True, text=True, timeout=300,
         )
         if result.returncode != 0 or not project.manifest_path.exists():
             last = (result.stdout + result.stderr).strip().splitlines()[-1:] or ["no output"]
-            raise ConfigError(f"dbt parse of {DBT_DIR} failed: {last[0]}; run `make install` (dbt-core, dbt-spark)")
+            raise ConfigError(f"dbt parse of {project.project_dir} failed: {last[0]}; run `make install` (dbt-core, dbt-spark)")
     return project.manifest_path
 
 
@@ -77,8 +77,11 @@ class LakeTranslator(DagsterDbtTranslator):
         return spec
 
 
-def dbt_definitions(settings: Settings) -> tuple[dg.AssetsDefinition, DbtCliResource]:
-    project = dbt_project(write_profiles(settings))
+def dbt_definitions(settings: Settings, project_dir: Path | None = DBT_DIR) -> tuple[dg.AssetsDefinition | None, DbtCliResource | None]:
+    """The marts of the project's dbt folder (its profile must be ``lakestream``), or ``(None, None)``."""
+    if project_dir is None:
+        return None, None
+    project = dbt_project(write_profiles(settings), Path(project_dir))
     manifest = ensure_manifest(project)
 
     @dbt_assets(manifest=manifest, project=project, dagster_dbt_translator=LakeTranslator(), name="lake_marts")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from streaming.jobs import registry
+from streaming.project import current
 from streaming.settings import Settings
 
 from .assets import bounded_assets
@@ -21,24 +21,26 @@ from .tables import landing_assets, partitions, quarantine_spec, stream_spec
 def build_definitions(settings: Settings | None = None, home: str | None = None) -> dg.Definitions:
     lakestream = LakestreamResource(home=home)
     settings = settings or lakestream.settings()
-    jobs = list(registry().values())
+    project = current(settings)
+    jobs = list(project.jobs.values())
     sources = list({s.name: s for j in jobs for s in j.sources}.values())
     days = partitions(settings)
     bounded = [bounded_assets(settings, j, days) for j in jobs]
     streams = [stream_job(j, days) for j in jobs] + [streams_job(jobs, days)]
-    marts, dbt = dbt_definitions(settings)
+    marts, dbt = dbt_definitions(settings, project.dbt_dir)
     savepoints = savepoint_job(jobs)
     backfill_job, backfill_schedule = daily_backfill(jobs, bounded, days)
     return dg.Definitions(
         assets=[landing_assets(sources, jobs), *[quarantine_spec(settings, s) for s in sources],
-                *[stream_spec(j) for j in jobs], *bounded, marts],
+                *[stream_spec(j) for j in jobs], *bounded, *([marts] if marts else [])],
         asset_checks=[*[c for j in jobs for c in job_checks(j, days)], *[quarantine_check(s, jobs) for s in sources]],
         jobs=[*streams, savepoints, backfill_job,
-              dg.define_asset_job("marts_build", selection=dg.AssetSelection.assets(marts),
-                                  description="dbt build of the marts (models and their tests)")],
+              *([dg.define_asset_job("marts_build", selection=dg.AssetSelection.assets(marts),
+                                     description="dbt build of the marts (models and their tests)")] if marts else [])],
         sensors=[health_sensor(jobs), supervisor_sensor(jobs, streams)],
         schedules=[savepoint_schedule(savepoints), backfill_schedule],
-        resources={"lakestream": lakestream, "pyspark": pyspark_resource(settings, home), "dbt": dbt},
+        resources={"lakestream": lakestream, "pyspark": pyspark_resource(settings, home),
+                   **({"dbt": dbt} if dbt else {})},
     )
 
 

@@ -142,7 +142,7 @@ def landing_assets(sources: list[Source], jobs: list[Job]) -> dg.AssetsDefinitio
 def landing_observation(settings: Settings, source: Source, jobs: list[Job]) -> tuple[dict, str]:
     """What a landing folder holds (files, bytes, and what its slowest reader has not read yet), and a
     data version that changes when files arrive. Pure Python (fsspec), no Spark."""
-    folder = settings.landing_dir(source.name)
+    folder = settings.landing_dir(source)
     try:
         files = landing_files(folder, settings.storage_options)  # key -> (bytes, mtime ms)
     except (ValueError, OSError) as exc:

@@ -314,7 +314,7 @@ def inspect_job(settings: Settings, job: Job, thresholds: Thresholds | None = No
     """``inspect_checkpoint`` of a declared job: its checkpoint, the landing folders of its sources,
     the settings' storage options, and thresholds from its trigger interval unless given."""
     return inspect_checkpoint(job.name, settings.checkpoint_dir(job.name),
-                              [settings.landing_dir(s.name) for s in job.sources],
+                              [settings.landing_dir(s) for s in job.sources],
                               thresholds or job_thresholds(settings, job), now_ms,
                               settings.storage_options)
 

@@ -36,7 +36,7 @@ def cmd_init(args) -> int:
 
     settings = _settings(args)
     spark = get_spark(settings)
-    for job in registry().values():
+    for job in registry(settings).values():
         sinks = job_sinks(spark, settings, job)
         print(f"{job.name:22} " + ", ".join(f"{s.table.name}" for s in sinks.all()))
     where = settings.warehouse if settings.format == "iceberg" else settings.delta_root
@@ -47,7 +47,7 @@ def cmd_init(args) -> int:
 def cmd_jobs(args) -> int:
     from .jobs import registry
 
-    for name, job in registry().items():
+    for name, job in registry(_settings(args)).items():
         what = job.window.describe() if job.kind == "windowed" else f"keyed {job.function.__name__}"
         sources = ",".join(s.name for s in job.sources)
         print(f"{name:22} {sources:16} {what:34} keys={','.join(job.keys):10} -> {job.sink.name}")
@@ -209,7 +209,7 @@ def cmd_status(args) -> int:
     from .jobs import get_job, registry
 
     settings = _settings(args)
-    reports = [inspect_job(settings, get_job(name, settings)) for name in registry()]
+    reports = [inspect_job(settings, get_job(name, settings)) for name in registry(settings)]
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=1))
     else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Literal
@@ -93,14 +94,61 @@ class Agg:
         return Agg("max", column, name)
 
 
+FIELD_TYPES = ("string", "int", "long", "double", "decimal", "decimal(p,s)", "boolean", "date", "timestamp", "enum",
+               "ip")
+_DECIMAL_TYPE = re.compile(r"^decimal\(\s*([0-9]{1,2})\s*,\s*([0-9]{1,2})\s*\)$")
+
+
 @dataclass(frozen=True)
 class Field:
-    """One field of a landing-zone record and the rule it must satisfy."""
+    """One field of a landing-zone record and the rule it must satisfy.
+
+    ``type``: ``string`` (optionally with a regular-expression ``pattern``), ``int``, ``long``,
+    ``double``, ``decimal(p,s)``, ``boolean`` (true/false), ``date`` (YYYY-MM-DD), ``timestamp``
+    (ISO 8601 with a zone), ``enum`` (one of ``choices``) or ``ip`` (IPv4). A bare ``decimal`` is a
+    non-negative money amount, decimal(18,2). ``required=False`` lets the field be missing or null;
+    a present value must still satisfy the rule. A record that breaks a rule goes to the source's
+    quarantine table with the reason.
+    """
 
     name: str
-    type: Literal["string", "timestamp", "decimal", "enum", "ip"]
+    type: str
     choices: tuple[str, ...] = ()
     pattern: str | None = None
+    required: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise DeclarationError(f"field name {self.name!r} must be an identifier, e.g. device_id")
+        kind = self.kind
+        if kind not in FIELD_TYPES:
+            raise DeclarationError(f"field {self.name}: unknown type {self.type!r}; use one of {', '.join(FIELD_TYPES)}")
+        if kind == "decimal(p,s)":
+            precision, scale = self.precision_scale
+            if not 1 <= precision <= 38 or scale > precision:
+                raise DeclarationError(f"field {self.name}: {self.type} needs 1 <= precision <= 38 and scale <= precision")
+        if kind == "enum" and not (self.choices and all(isinstance(c, str) for c in self.choices)):
+            raise DeclarationError(f"field {self.name}: an enum needs choices, e.g. choices=('ON', 'OFF')")
+        if kind != "enum" and self.choices:
+            raise DeclarationError(f"field {self.name}: choices apply to enum fields, not {self.type}")
+        if self.pattern is not None:
+            if kind != "string":
+                raise DeclarationError(f"field {self.name}: a pattern applies to string fields, not {self.type}")
+            try:
+                re.compile(self.pattern)
+            except re.error as exc:
+                raise DeclarationError(f"field {self.name}: pattern {self.pattern!r} is not a regular expression: {exc}") from None
+
+    @property
+    def kind(self) -> str:
+        """The type's family: ``decimal(10,3)`` -> ``decimal(p,s)``."""
+        text = str(self.type).strip().lower()
+        return "decimal(p,s)" if _DECIMAL_TYPE.match(text) else text
+
+    @property
+    def precision_scale(self) -> tuple[int, int]:
+        match = _DECIMAL_TYPE.match(str(self.type).strip().lower())
+        return (int(match.group(1)), int(match.group(2))) if match else (18, 2)
 
 
 @dataclass(frozen=True)
@@ -130,24 +178,52 @@ class Table:
         return Table(f"{self.name}_{suffix}")
 
 
+FORMATS = ("json", "csv", "parquet")
+
+
 @dataclass(frozen=True)
 class Source:
-    """A folder of JSON-lines files in the landing zone, filled in arrival order.
+    """A folder of files in the landing zone, filled in arrival order (a file, once there, is not changed).
 
-    Invalid lines go to ``lake.quarantine.<name>``. Dedup keys must be unique across the
-    sources of one job (the generator prefixes them per source).
+    ``format``: ``json`` (JSON lines, one object per line), ``csv`` (one record per line, the
+    declared fields in order; ``header`` lines naming the fields are skipped; ``delimiter``) or
+    ``parquet`` (columns by name; values are checked against the declared types like any other
+    format). ``location``: the folder, absolute or relative to the settings' ``landing`` (default:
+    the source's name). Invalid records go to ``lake.quarantine.<name>`` with the reason. Dedup keys
+    must be unique across the sources of one job (the generator prefixes them per source).
     """
 
     name: str
     fields: tuple[Field, ...]
     event_time: str = "event_time"
     dedup_key: str = "event_id"
+    format: str = "json"
+    location: str | None = None
+    header: bool = True
+    delimiter: str = ","
+    description: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise DeclarationError(f"source name {self.name!r} must be an identifier, e.g. sensor_readings")
+        if not isinstance(self.fields, tuple) or not self.fields or not all(isinstance(f, Field) for f in self.fields):
+            raise DeclarationError(f"Source {self.name}: fields must be a non-empty tuple of Field")
         names = [f.name for f in self.fields]
+        if len(set(names)) != len(names):
+            raise DeclarationError(f"Source {self.name}: a field name is used twice in {names}")
         for required in (self.event_time, self.dedup_key):
             if required not in names:
                 raise DeclarationError(f"Source {self.name}: {required!r} is not one of its fields {names}")
+        by_name = {f.name: f for f in self.fields}
+        if by_name[self.event_time].kind != "timestamp":
+            raise DeclarationError(f"Source {self.name}: the event-time field {self.event_time!r} must be a timestamp")
+        for key in (self.event_time, self.dedup_key):
+            if not by_name[key].required:
+                raise DeclarationError(f"Source {self.name}: {key!r} (event time / dedup key) must be required")
+        if self.format not in FORMATS:
+            raise DeclarationError(f"Source {self.name}: format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        if not isinstance(self.delimiter, str) or len(self.delimiter) != 1 or self.delimiter in "\"\n\r":
+            raise DeclarationError(f"Source {self.name}: delimiter must be one character (not a quote), got {self.delimiter!r}")
 
     @property
     def field_names(self) -> tuple[str, ...]:
@@ -168,8 +244,9 @@ def _check_sources(job: str, sources: tuple[Source, ...]) -> None:
     for s in sources[1:]:
         if (s.event_time, s.dedup_key) != (first.event_time, first.dedup_key):
             raise DeclarationError(f"job {job}: all sources must share the event-time column and the dedup key")
-        common = {f.name: f.type for f in first.fields}
-        clash = [f.name for f in s.fields if f.name in common and common[f.name] != f.type]
+        common = {f.name: f.precision_scale if f.kind.startswith("decimal") else f.kind for f in first.fields}
+        clash = [f.name for f in s.fields
+                 if f.name in common and common[f.name] != (f.precision_scale if f.kind.startswith("decimal") else f.kind)]
         if clash:
             raise DeclarationError(f"job {job}: field(s) {clash} have different types in {first.name} and {s.name}")
 

@@ -20,7 +20,11 @@ DEMO_FILES_PER_TRIGGER = 10
 
 
 def run_demo(settings: Settings, cfg: GeneratorConfig) -> int:
+    from dataclasses import replace
+
     from batch.reconcile import reconcile
+
+    settings = replace(settings, project=None)  # the demo is the built-in example project's
 
     started = time.monotonic()
     print(f"== 1/4 generating {cfg.duration} of events from {iso_ms(cfg.start)} into {settings.landing}", flush=True)
@@ -34,7 +38,7 @@ def run_demo(settings: Settings, cfg: GeneratorConfig) -> int:
     spark = get_spark(settings)
     from .jobs import registry
 
-    for other in registry().values():  # every table exists, so the dbt marts build on any lake
+    for other in registry(settings).values():  # every table exists, so the dbt marts build on any lake
         job_sinks(spark, settings, other)
     if settings.job(job.name).max_files_per_trigger is None:
         # Several micro-batches, as a live stream would see them: the watermark advances between

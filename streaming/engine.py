@@ -37,6 +37,7 @@ from pyspark.sql import types as T
 
 from .declaration import Agg, WindowedJob
 from .errors import DeclarationError
+from .landing import SOURCE
 from .parse import parse
 from .sinks.base import OP
 from .store import COMPACT_EVERY, Manifest, Store, StoreFile, bucket_of, id_hashes, observed
@@ -45,7 +46,6 @@ from .windows import Session, Sliding
 NEG_INF_MS = -(2**62)
 POS_INF_MS = 2**62
 WS, WE = "ws", "we"
-SOURCE = "_source"  # raw frames of multi-source jobs say which source a line came from
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,10 @@ class UnknownJobError(LakestreamError):
     """A job name that is not in the registry."""
 
 
+class ProjectError(LakestreamError):
+    """A user project that does not import or whose declarations do not fit together."""
+
+
 class DateRangeError(LakestreamError):
     """A bad --start/--end range."""
 

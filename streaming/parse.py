@@ -1,13 +1,16 @@
 """Raw landing-zone lines -> typed events, or a quarantine reason. Never drops a line.
 
-Input frame: ``value`` (the raw line) and ``source_file``. Output: the source's fields, typed
-(``timestamp`` -> TimestampType, ``decimal`` -> DECIMAL(18,2)), plus ``source_file``, ``_reason``
+Input frame: ``value`` (the raw line: a JSON object, or a CSV record for CSV sources), ``source_file``
+and optionally ``_problem`` (a reason found before parsing). Output: the source's fields, typed
+(see ``spark_type``), plus ``source_file``, ``_reason``
 (NULL for a valid record, else why it is quarantined) and ``_raw`` (the line, kept for invalid
 records only). Works on streaming and batch
 frames alike (column expressions only).
 """
 
 from __future__ import annotations
+
+from functools import reduce
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
@@ -16,31 +19,80 @@ from pyspark.sql import types as T
 from .declaration import Field, Source
 
 AMOUNT_TYPE = T.DecimalType(18, 2)
-_DECIMAL = r"^[0-9]{1,12}(\.[0-9]{1,2})?$"
+_DECIMAL = r"^[0-9]{1,12}(\.[0-9]{1,2})?$"  # a bare `decimal`: a non-negative amount, decimal(18,2)
 _TIMESTAMP = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,6})?(Z|[+-][0-9]{2}:[0-9]{2})$"
+_DATE = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$"
 _IPV4 = r"^((25[0-5]|2[0-4][0-9]|1?[0-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1?[0-9]?[0-9])$"
+_INT = r"^[+-]?[0-9]{1,10}$"
+_LONG = r"^[+-]?[0-9]{1,19}$"
+_DOUBLE = r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]{1,3})?$"
 _CORRUPT = "_corrupt"
+PROBLEM = "_problem"  # raw frames may carry a reason of their own (e.g. an unreadable Parquet file)
+
+
+def spark_type(field: Field) -> T.DataType:
+    """The Spark type a field's valid values have after parsing."""
+    kind = field.kind
+    if kind in ("decimal", "decimal(p,s)"):
+        return T.DecimalType(*field.precision_scale)
+    return {"int": T.IntegerType(), "long": T.LongType(), "double": T.DoubleType(), "boolean": T.BooleanType(),
+            "date": T.DateType(), "timestamp": T.TimestampType()}.get(kind, T.StringType())
+
+
+def _decimal_rule(field: Field) -> str:
+    precision, scale = field.precision_scale
+    whole = f"[0-9]{{1,{max(precision - scale, 1)}}}"
+    return f"^[+-]?{whole}$" if scale == 0 else f"^[+-]?{whole}(\\.[0-9]{{1,{scale}}})?$"
 
 
 def _typed(field: Field, raw: Column) -> Column:
-    if field.type == "timestamp":
+    kind = field.kind
+    if kind == "timestamp":
         return F.to_timestamp(raw)
-    if field.type == "decimal":
-        return raw.cast(AMOUNT_TYPE)
+    if kind == "date":
+        return F.to_date(raw, "yyyy-MM-dd")
+    if kind == "boolean":
+        return F.when(F.lower(raw) == "true", F.lit(True)).when(F.lower(raw) == "false", F.lit(False))
+    if kind in ("int", "long", "double", "decimal", "decimal(p,s)"):
+        return raw.cast(spark_type(field))
     return raw
 
 
 def _violation(field: Field, raw: Column) -> Column:
     """A Column that is true when a present value breaks the field's rule."""
-    if field.type == "timestamp":
-        return ~raw.rlike(_TIMESTAMP) | F.col(f"_typed_{field.name}").isNull()
-    if field.type == "decimal":
+    kind, typed = field.kind, F.col(f"_typed_{field.name}")
+    if kind == "timestamp":
+        return ~raw.rlike(_TIMESTAMP) | typed.isNull()
+    if kind == "date":
+        return ~raw.rlike(_DATE) | typed.isNull()
+    if kind == "decimal":
         return ~raw.rlike(_DECIMAL)
-    if field.type == "enum":
+    if kind == "decimal(p,s)":
+        return ~raw.rlike(_decimal_rule(field)) | typed.isNull()
+    if kind in ("int", "long"):
+        return ~raw.rlike(_INT if kind == "int" else _LONG) | typed.isNull()
+    if kind == "double":
+        return ~raw.rlike(_DOUBLE) | typed.isNull() | F.isnan(typed) | (F.abs(typed) == float("inf"))
+    if kind == "boolean":
+        return typed.isNull()
+    if kind == "enum":
         return ~raw.isin(*field.choices)
-    if field.type == "ip":
+    if kind == "ip":
         return ~raw.rlike(_IPV4)
     return ~raw.rlike(field.pattern) if field.pattern else F.length(raw) == 0
+
+
+def _rule(field: Field) -> str:
+    kind = field.kind
+    if kind == "enum":
+        return f"one of {'|'.join(field.choices)}"
+    if kind == "decimal":
+        return "decimal"
+    if kind == "string" and field.pattern and len(field.pattern) <= 40:
+        return f"string matching {field.pattern}"
+    if kind == "string":
+        return "string"
+    return str(field.type)
 
 
 def _show(raw: Column) -> Column:
@@ -49,8 +101,13 @@ def _show(raw: Column) -> Column:
 
 def parse(raw: DataFrame, source: Source) -> DataFrame:
     first, typed, last = _expressions(source)
-    return raw.select(*first).select("_raw", "source_file", F.col("_j").isNull().alias("_null"), "_j.*") \
-        .select("*", *typed).select(*last)
+    problem = F.col(PROBLEM) if PROBLEM in raw.columns else F.lit(None).cast("string")
+    parsed = raw.select(*first, problem.alias(PROBLEM)) \
+        .select("_raw", "source_file", PROBLEM, F.col("_j").isNull().alias("_null"), "_j.*")
+    if source.format == "csv" and source.header:  # a header line names the fields: not a record, skipped
+        is_header = [F.col(f.name) == F.lit(f.name) for f in source.fields]
+        parsed = parsed.where(~F.coalesce(reduce(lambda a, b: a & b, is_header), F.lit(False)))
+    return parsed.select("*", *typed).select(*last)
 
 
 _BUILT: dict = {}
@@ -74,27 +131,32 @@ def _build(source: Source) -> tuple[list[Column], list[Column], list[Column]]:
     schema = T.StructType(
         [T.StructField(f.name, T.StringType()) for f in source.fields] + [T.StructField(_CORRUPT, T.StringType())]
     )
-    parsed = F.from_json("value", schema, {"columnNameOfCorruptRecord": _CORRUPT, "mode": "PERMISSIVE"})
+    if source.format == "csv":
+        parsed = F.from_csv("value", schema.simpleString(), {
+            "sep": source.delimiter, "columnNameOfCorruptRecord": _CORRUPT, "mode": "PERMISSIVE"})
+        malformed = f"malformed CSV: not {len(source.fields)} {source.delimiter!r}-separated values"
+        blank = F.coalesce(F.length(F.trim(F.col("_raw"))) == 0, F.lit(True))
+    else:  # json lines; a Parquet file's rows arrive as JSON objects too (see landing)
+        parsed = F.from_json("value", schema, {"columnNameOfCorruptRecord": _CORRUPT, "mode": "PERMISSIVE"})
+        malformed = "malformed JSON: not a JSON object"
+        blank = F.col("_null")  # an empty or blank line parses to NULL
     # Expand the struct once: referencing `from_json(...).field` directly makes Spark parse the
     # line again for every reference (measured: 3x slower).
     first = [F.col("value").alias("_raw"), F.col("source_file"), parsed.alias("_j")]
-    typed = [_typed(f, F.col(f.name)).alias(f"_typed_{f.name}") for f in source.fields if f.type != "string"]
+    typed = [_typed(f, F.col(f.name)).alias(f"_typed_{f.name}") for f in source.fields if f.kind != "string"]
     checks: list[Column] = [
-        F.when(
-            F.col("_null") | F.col(_CORRUPT).isNotNull(),  # an empty or blank line parses to NULL
-            F.lit("malformed JSON: not a JSON object"),
-        )
+        F.col(PROBLEM),
+        F.when(blank | F.col(_CORRUPT).isNotNull(), F.lit(malformed)),
     ]
     for f in source.fields:
         raw_value = F.col(f.name)
-        checks.append(F.when(raw_value.isNull(), F.lit(f"missing field {f.name}")))
-        rule = f"one of {'|'.join(f.choices)}" if f.type == "enum" else f.type
-        checks.append(
-            F.when(_violation(f, raw_value), F.concat(F.lit(f"invalid {f.name} (expected {rule}): "), _show(raw_value)))
-        )
+        if f.required:
+            checks.append(F.when(raw_value.isNull(), F.lit(f"missing field {f.name}")))
+        checks.append(F.when(raw_value.isNotNull() & _violation(f, raw_value),
+                             F.concat(F.lit(f"invalid {f.name} (expected {_rule(f)}): "), _show(raw_value))))
     reason = F.coalesce(*checks)
     last = [
-        *[(F.col(f"_typed_{f.name}") if f.type != "string" else F.col(f.name)).alias(f.name) for f in source.fields],
+        *[(F.col(f"_typed_{f.name}") if f.kind != "string" else F.col(f.name)).alias(f.name) for f in source.fields],
         F.when(reason.isNotNull(), F.col("_raw")).alias("_raw"),  # keep the raw text only where it is needed
         F.col("source_file"),
         reason.alias("_reason"),

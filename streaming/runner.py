@@ -18,12 +18,12 @@ import time
 from typing import Callable
 
 from pyspark.sql import DataFrame
-from pyspark.sql import functions as F
 
 from .checkpoint import live_marker
 from .declaration import Job, KeyedJob
 from .durations import format_duration, from_epoch_ms, iso_ms
-from .engine import NEG_INF_MS, POS_INF_MS, SOURCE
+from .engine import NEG_INF_MS, POS_INF_MS
+from .landing import read_source, union
 from .errors import ConfigError
 from .handlers import BatchResult, FaultFn, KeyedHandler, ProgressFn, StreamReport, WindowedHandler
 from .hadoopfs import HadoopFS
@@ -93,25 +93,15 @@ def raw_stream(spark, settings: Settings, job: Job) -> DataFrame:
     fs = HadoopFS(spark)
     frames = []
     for source in job.sources:
-        landing = settings.landing_dir(source.name)
+        landing = settings.landing_dir(source)
         if not fs.exists(landing):
             if settings.is_local:
                 fs.mkdirs(landing)
             else:
                 raise ConfigError(f"landing folder {landing} does not exist; create it or fix 'landing' in the settings")
-        # A landing file deleted between the listing that planned a batch and its reading: the batch goes on
-        # with the files that are there (Spark's default fails it, and every replay of it, for ever). Only the
-        # landing read: the store's own files must never go missing unnoticed.
-        reader = spark.readStream.format("text").option("ignoreMissingFiles", "true")
-        if overrides.max_files_per_trigger is not None:
-            reader = reader.option("maxFilesPerTrigger", overrides.max_files_per_trigger)
-        frames.append(reader.load(landing).select(
-            "value", F.col("_metadata.file_path").alias("source_file"), F.lit(source.name).alias(SOURCE)
-        ))
-    raw = frames[0]
-    for frame in frames[1:]:
-        raw = raw.unionByName(frame)
-    return raw
+        frames.append(read_source(spark, landing, source, stream=True,
+                                  max_files_per_trigger=overrides.max_files_per_trigger))
+    return union(frames)
 
 
 def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, progress: ProgressFn | None = None,
@@ -251,7 +241,7 @@ def run_streams(
             reports.append(report)
             control.mark_running(report.query_id)
             if not available_now and progress is not None:
-                folders = ", ".join(settings.landing_dir(s.name) for s in job.sources)
+                folders = ", ".join(settings.landing_dir(s) for s in job.sources)
                 print(
                     f"{job.name}: streaming from {folders} every "
                     f"{format_duration(settings.job(job.name).trigger_interval)}; Ctrl-C stops after the current batch",

@@ -8,10 +8,13 @@ Precedence (highest first): environment variables, the YAML file, defaults.
 ``LAKESTREAM_SPARK_MASTER``    Spark master URL (default ``local[*]``)
 ``LAKESTREAM_ICEBERG_JAR``     path of the Iceberg Spark runtime jar (default: the bundled wheel)
 ``LAKESTREAM_FORMAT``          table format of every sink: ``iceberg`` (default) or ``delta``
+``LAKESTREAM_PROJECT``         the user project: a folder (Python package) of sources and jobs, or a module
 =============================  ==============================================================
 
 YAML keys (all optional)::
 
+    project: ../my_project            # your sources and jobs (a folder, relative to this file, or a module);
+                                      # default: the built-in example project (payments, logins)
     landing: /data/landing            # each path defaults to a folder under home
     warehouse: s3a://bucket/warehouse
     delta_root: s3a://bucket/delta
@@ -55,7 +58,7 @@ import yaml
 from .durations import parse_duration
 from .errors import ConfigError
 
-_TOP_KEYS = {"landing", "warehouse", "delta_root", "checkpoints", "savepoints", "spark", "iceberg", "delta", "format",
+_TOP_KEYS = {"project", "landing", "warehouse", "delta_root", "checkpoints", "savepoints", "spark", "iceberg", "delta", "format",
              "partitions_start", "jobs", "storage_options"}
 _JOB_KEYS = {"out_of_orderness", "allowed_lateness", "trigger_interval", "max_files_per_trigger", "dedup_ttl", "format"}
 FORMATS = ("iceberg", "delta")
@@ -103,6 +106,7 @@ class Settings:
     partitions_start: str = "2026-11-01"
     jobs: Mapping[str, JobOverrides] = field(default_factory=dict)
     config_file: Path | None = None
+    project: str | None = None  # an absolute folder, or a module name; None: the built-in example project
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, config_file: str | Path | None = None) -> "Settings":
@@ -159,6 +163,8 @@ class Settings:
             storage_options=dict(_mapping(data.get("storage_options"), "storage_options")),
             jobs={name: _job_overrides(name, raw) for name, raw in _mapping(data.get("jobs"), "jobs").items()},
             config_file=Path(path) if path else None,
+            project=_project(env.get("LAKESTREAM_PROJECT"), Path.cwd())
+            or _project(data.get("project"), Path(path).resolve().parent if path else Path.cwd()),
         )
         return settings
 
@@ -176,8 +182,14 @@ class Settings:
         own = self.job(job).format if job else None
         return own or self.format
 
-    def landing_dir(self, source: str) -> str:
-        return f"{self.landing.rstrip('/')}/{source}"
+    def landing_dir(self, source) -> str:
+        """The landing folder of a source (a ``Source`` or its name): its ``location`` when it declares one
+        (absolute, or relative to ``landing``), else ``<landing>/<name>``."""
+        location = getattr(source, "location", None)
+        name = getattr(source, "name", source)
+        if location and ("://" in location or location.startswith("/")):
+            return location.rstrip("/")
+        return f"{self.landing.rstrip('/')}/{(location or name).strip('/')}"
 
     def checkpoint_dir(self, job: str) -> str:
         return f"{self.checkpoints.rstrip('/')}/{job}"
@@ -207,6 +219,22 @@ def _mapping(value: Any, name: str) -> Mapping[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"'{name}' must be a mapping of keys, got {value!r}")
     return value
+
+
+def _project(value: Any, base: Path) -> str | None:
+    """A project setting as an absolute folder (a path, relative to ``base``) or a module name."""
+    if value is None or str(value).strip() == "":
+        return None
+    text = str(value).strip()
+    folder = (base / Path(text).expanduser()).resolve()
+    if folder.is_dir() or "/" in text or text.startswith("."):
+        if not folder.is_dir():
+            raise ConfigError(f"project {text!r}: no folder {folder}; create it with `lakestream new {text}` or fix "
+                              "'project' (LAKESTREAM_PROJECT)")
+        return str(folder)
+    if not all(part.isidentifier() for part in text.split(".")):
+        raise ConfigError(f"project {text!r} is neither a folder nor a module name; fix 'project' (LAKESTREAM_PROJECT)")
+    return text
 
 
 def _day(value: Any) -> str:

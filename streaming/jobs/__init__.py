@@ -1,33 +1,30 @@
-"""The job registry: every module in this package that defines ``JOB`` is a job.
+"""The jobs of the built-in example project (payments and logins), and the job registry.
 
-A new job is a new module here; nothing else needs editing (the CLI and Dagster read the registry).
+The registry holds the jobs of the configured project (``streaming.project``): a user's project
+when the settings name one, else this package, where every module that defines ``JOB`` is a job.
+A new job is a new module in the project's ``jobs`` folder; nothing else needs editing (the CLI and
+Dagster read the registry).
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import replace
-from functools import cache
 
 from ..declaration import Job, Watermark
 from ..errors import UnknownJobError
 from ..settings import Settings
 
 
-@cache
-def registry() -> dict[str, Job]:
-    jobs: dict[str, Job] = {}
-    for module in pkgutil.iter_modules(__path__):
-        job = getattr(importlib.import_module(f"{__name__}.{module.name}"), "JOB", None)
-        if job is not None:
-            jobs[job.name] = job
-    return dict(sorted(jobs.items()))
+def registry(settings: Settings | None = None) -> dict[str, Job]:
+    """The jobs of the project of ``settings`` (default: the environment's settings), by name."""
+    from ..project import current
+
+    return dict(current(settings).jobs)
 
 
 def get_job(name: str, settings: Settings | None = None) -> Job:
     """The declared job ``name`` with the deployment's overrides from ``settings`` applied."""
-    jobs = registry()
+    jobs = registry(settings)
     if name not in jobs:
         raise UnknownJobError(f"unknown job {name!r}; known jobs: {', '.join(jobs)} (see `lakestream jobs`)")
     job = jobs[name]
