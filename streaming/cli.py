@@ -72,10 +72,45 @@ def _generator_config(args):
     )
 
 
+def cmd_new(args) -> int:
+    from .scaffold import scaffold
+
+    files = scaffold(args.folder, args.format)
+    root = files[0].parent
+    print(f"created {root} ({len(files)} files): sources.py, jobs/events_per_user.py, generate.py, tests/, lakestream.yaml")
+    print(f"next:\n  cd {args.folder}\n  lakestream --config lakestream.yaml generate && "
+          "lakestream --config lakestream.yaml run events_per_user --available-now\n  python -m pytest tests")
+    return 0
+
+
+def _project_generate(settings) -> int | None:
+    """A user project's own sample data (its ``generate.generate(landing)``); None for the built-in project."""
+    import importlib
+
+    from .project import current
+
+    project = current(settings)
+    if project.builtin:
+        return None
+    try:
+        module = importlib.import_module(f"{project.package}.generate")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{project.package}.generate":
+            raise
+        raise ConfigError(f"project {project.name} has no generate.py with generate(landing); put its files into "
+                          + ", ".join(settings.landing_dir(s) for s in project.sources.values())) from None
+    said = module.generate(settings.landing)
+    print(said if isinstance(said, str) else f"sample data written under {settings.landing}")
+    return 0
+
+
 def cmd_generate(args) -> int:
     from .generator import follow, generate
 
     settings = _settings(args)
+    done = _project_generate(settings)
+    if done is not None:
+        return done
     cfg = _generator_config(args)
     if args.follow:
         print(f"generating in real time into {settings.landing} every {cfg.file_seconds}s; Ctrl-C to stop", flush=True)
@@ -281,7 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("init", help="create every job's tables (idempotent), e.g. before building the dbt marts"
                    ).set_defaults(fn=cmd_init)
 
-    gen = sub.add_parser("generate", help="write synthetic payment and login events to the landing zone")
+    new = sub.add_parser("new", help="create a project of your own: a source, a job, sample data, a test")
+    new.add_argument("folder", help="the new project's folder (its name is the package name)")
+    new.add_argument("--format", default="csv", choices=("csv", "json"), help="the source's landing format")
+    new.set_defaults(fn=cmd_new)
+
+    gen = sub.add_parser("generate", help="write sample events to the landing zone (payments and logins, or "
+                         "the project's own generate.py)")
     _add_generator_options(gen)
     gen.add_argument("--follow", action="store_true", help="keep producing in real time")
     gen.set_defaults(fn=cmd_generate)

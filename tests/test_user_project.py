@@ -360,3 +360,78 @@ def test_a_parquet_source_streams_and_backfills_against_the_oracle_and_quarantin
     w = out.watermarks[-1]
     assert closed == {k: v for k, v in got.items() if k[1] + timedelta(minutes=5) <= w} and closed
     assert out.late.empty and harness.reconcile().unexplained == 0
+
+
+# ---- the whole project through Dagster and the CLI ------------------------------------------------------
+
+def test_dagster_picks_up_the_sensors_project_streams_it_and_backfills_a_day(spark, tmp_path):
+    import dagster as dg
+    import yaml
+
+    from orchestration.definitions import build_definitions
+    from streaming.settings import Settings
+    from tests.conftest import _WAREHOUSE
+
+    home = tmp_path / "lake"
+    home.mkdir()
+    (home / "lakestream.yaml").write_text(yaml.safe_dump({
+        "project": str(SENSORS), "warehouse": str(_WAREHOUSE[0]), "spark": {"shuffle_partitions": 2},
+        "jobs": {"device_temperature": {"max_files_per_trigger": 5}}}))
+    settings = Settings.load({"LAKESTREAM_HOME": str(home)})
+    JobHarness(load(str(SENSORS)).jobs["device_temperature"], tmp_path / "h")  # drops the job's tables
+    sys.path.insert(0, str(SENSORS.parent))
+    importlib.import_module("sensors.generate").generate(settings.landing, minutes=12, devices=3)
+    defs = build_definitions(settings, home=str(home))
+    keys = {k.to_user_string() for a in defs.assets if isinstance(a, (dg.AssetsDefinition, dg.AssetSpec))
+            for k in (a.keys if isinstance(a, dg.AssetsDefinition) else [a.key])}
+    assert {"lake/sensors/device_temperature", "lake/sensors/overheat_alerts", "streams/device_temperature",
+            "landing/sensor_readings", "lake/quarantine/sensor_readings"} <= keys
+    assert not any(k.startswith("lake/marts") or "payments" in k for k in keys)  # nothing of the built-in example
+    main = dg.AssetKey(["lake", "sensors", "device_temperature"])
+    with dg.instance_for_test() as instance:
+        streamed = defs.resolve_job_def("device_temperature_stream").execute_in_process(
+            instance=instance, run_config={"ops": {"device_temperature": {"config": {"mode": "available_now",
+                                                                                    "materialize_every": "0s"}}}})
+        assert streamed.success
+        assert instance.fetch_materializations(main, limit=1).records
+        bounded = [a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and main in a.keys]
+        result = dg.materialize(bounded, instance=instance, partition_key="2026-11-20", resources=defs.resources,
+                                run_config={"ops": {"device_temperature_bounded": {"config": {"force": True}}}})
+        assert result.success
+        checks = [e for e in result.get_asset_check_evaluations() if e.check_name == "reconciliation"]
+        assert checks and checks[0].passed, checks
+
+
+@pytest.mark.slow
+def test_lakestream_new_makes_a_project_whose_test_passes_and_which_the_cli_runs(tmp_path):
+    """From nothing: `lakestream new`, the project's own test, then generate, run, backfill, reconcile
+    and savepoint on its job through the CLI, pointed at it by its settings file only."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LAKESTREAM_")}
+
+    def cli(*args, cwd):
+        done = subprocess.run([sys.executable, "-m", "streaming.cli", *args], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-3000:])
+        return done.stdout
+
+    said = cli("new", "shop_events", cwd=tmp_path)
+    project = tmp_path / "shop_events"
+    assert "python -m pytest tests" in said and (project / "tests" / "test_events_per_user.py").exists()
+    readme = (project / "README.md").read_text()
+    assert "lakestream --config lakestream.yaml generate" in readme and "python -m pytest tests" in readme
+    tested = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=project,
+                            env=env, capture_output=True, text=True, timeout=900)
+    assert tested.returncode == 0 and "1 passed" in tested.stdout, tested.stdout[-3000:] + tested.stderr[-2000:]
+    config = ["--config", "lakestream.yaml"]
+    assert "10 file(s)" in cli(*config, "generate", cwd=project)
+    ran = cli(*config, "run", "events_per_user", "--available-now", cwd=project)
+    assert "120 events" in ran and "1 quarantined" in ran and "lake.shop_events.events_per_user" in ran
+    assert "replaced" in cli(*config, "backfill", "events_per_user", "--start", "2026-11-20", "--end", "2026-11-21",
+                             "--force", cwd=project)
+    assert "every difference explained" in cli(*config, "reconcile", "events_per_user", "--start", "2026-11-20",
+                                               "--end", "2026-11-21", cwd=project)
+    assert "savepoint events_per_user-" in cli(*config, "savepoint", "create", "events_per_user", cwd=project)
+    # the oracle of the run: the sample files' lines, counted in plain Python
+    lines = [line for f in sorted((project / ".lake" / "landing" / "events").glob("*.csv"))
+             for line in f.read_text().splitlines()[1:]]
+    assert len(lines) == 121 and sum("yesterday" in line for line in lines) == 1
