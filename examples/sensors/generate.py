@@ -31,6 +31,11 @@ class Generated:
     duplicates: int
     bad: int
 
+    def __str__(self) -> str:
+        folder = self.files[0].parent if self.files else "(nothing)"
+        return (f"{self.readings:,} readings ({self.late} late, {self.duplicates} twice, {self.bad} bad lines) in "
+                f"{len(self.files)} files -> {folder}")
+
 
 def _line(rid: int, device: str, site: str, at: datetime, temperature: float, humidity: float | None, ok: bool) -> str:
     stamp = at.strftime("%Y-%m-%dT%H:%M:%S") + f".{at.microsecond // 1000:03d}Z"
@@ -90,9 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=12)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    out = generate(args.landing, args.minutes, args.devices, args.seed)
-    print(f"{out.readings:,} readings ({out.late} late, {out.duplicates} twice, {out.bad} bad lines) in "
-          f"{len(out.files)} files -> {Path(args.landing) / 'sensor_readings'}")
+    print(generate(args.landing, args.minutes, args.devices, args.seed))
     return 0
 
 
