@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Mapping
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
@@ -27,11 +27,15 @@ from streaming.landing import read_source, union
 from streaming.settings import Settings
 
 
-def read_landing(spark, settings: Settings, job: Job) -> DataFrame:
-    """Every line of every source folder of ``job``, as a batch: value, source_file, _source."""
+def read_landing(spark, settings: Settings, job: Job, as_of: Mapping[str, int] | None = None) -> DataFrame:
+    """Every line of every source folder of ``job``, as a batch: value, source_file, _source. A table
+    source is read as of its snapshot in ``as_of`` (by source name), else as of its current snapshot."""
     fs = HadoopFS(spark)
     frames = []
     for source in job.sources:
+        if source.is_table:
+            frames.append(read_source(spark, None, source, stream=False, snapshot=(as_of or {}).get(source.name)))
+            continue
         landing = settings.landing_dir(source)
         if not fs.exists(landing):
             raise DateRangeError(f"no landing data at {landing}; run `lakestream generate` first or fix 'landing'")
@@ -66,12 +70,14 @@ class Bounded:
             fn()
 
 
-def compute(spark, settings: Settings, job: Job, lo: int, hi: int, say=lambda _m: None) -> Bounded:
+def compute(spark, settings: Settings, job: Job, lo: int, hi: int, say=lambda _m: None,
+            as_of: Mapping[str, int] | None = None) -> Bounded:
+    """``as_of``: the snapshot each table source is read at (by source name; default: its current one)."""
     from streaming.tables import check_job
 
     check_job(spark, job)
     started = time.monotonic()
-    raw = read_landing(spark, settings, job)
+    raw = read_landing(spark, settings, job, as_of)
     if isinstance(job, KeyedJob):
         return _keyed(spark, job, raw, lo, hi, say, started)
     plan = plan_batch(job, raw, bounded=True, event_range_ms=job.window.events_for(lo, hi))

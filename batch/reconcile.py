@@ -103,6 +103,16 @@ def stream_watermark(spark, settings: Settings, job: Job) -> int:
     return last.watermark_ms
 
 
+def stream_snapshots(spark, settings: Settings, job: Job) -> dict[str, int]:
+    """The snapshot each table source of ``job`` was read up to by the stream's last committed batch."""
+    if not any(s.is_table for s in job.sources):
+        return {}
+    from streaming.hadoopfs import HadoopFS
+    from streaming.layout import Layout, table_snapshots
+
+    return table_snapshots(HadoopFS(spark), Layout(settings.checkpoint_dir(job.name)), job.sources)
+
+
 def reconcile(spark, settings: Settings, job: Job, start: datetime, end: datetime, *, progress=print,
               record: bool = True) -> ReconcileReport:
     """Recompute ``[start, end)`` with the bounded twin and compare the stream's tables with it."""
@@ -111,7 +121,13 @@ def reconcile(spark, settings: Settings, job: Job, start: datetime, end: datetim
     say(f"{job.name}: reconciling [{iso_ms(start)}, {iso_ms(end)}) against a bounded recomputation "
         f"(stream watermark {iso_ms(from_epoch_ms(watermark))})")
     started = time.monotonic()
-    bounded = compute(spark, settings, job, epoch_ms(start), epoch_ms(end), say)
+    # Table sources: the twin reads each table as of the snapshot the stream has read up to, so rows
+    # appended since are not counted as differences (files: see _mark_unread_input).
+    as_of = stream_snapshots(spark, settings, job)
+    if as_of:
+        say("  table sources read as of the stream's snapshots: "
+            + ", ".join(f"{name} @ {snap}" for name, snap in as_of.items()))
+    bounded = compute(spark, settings, job, epoch_ms(start), epoch_ms(end), say, as_of=as_of)
     try:
         report = compare(spark, settings, job, bounded, watermark, start, end)
     finally:
@@ -164,7 +180,9 @@ def unread_files(settings: Settings, job: Job) -> list[str]:
     """Landing files the stream has not read yet (from its checkpoint's source log)."""
     from streaming.checkpoint import inspect_job, landing_files
 
-    folders = [settings.landing_dir(s) for s in job.sources]
+    folders = [settings.landing_dir(s) for s in job.sources if not s.is_table]  # a table: read as of the stream's snapshot
+    if not folders:
+        return []
     report = inspect_job(settings, job)
     if not report.files_waiting and not report.files_in_flight:
         return []
@@ -188,7 +206,7 @@ def _mark_unread_input(spark, settings: Settings, job: Job, units: DataFrame) ->
     from streaming.landing import read_source
 
     raw = None
-    for source in job.sources:
+    for source in (s for s in job.sources if not s.is_table):
         mine = [f for f in files if f.startswith(settings.landing_dir(source).rstrip("/") + "/")]
         if mine:
             frame = read_source(spark, mine, source, stream=False)

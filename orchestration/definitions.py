@@ -31,7 +31,7 @@ def build_definitions(settings: Settings | None = None, home: str | None = None)
     savepoints = savepoint_job(jobs)
     backfill_job, backfill_schedule = daily_backfill(jobs, bounded, days)
     return dg.Definitions(
-        assets=[landing_assets(sources, jobs), *[quarantine_spec(settings, s) for s in sources],
+        assets=[*([landing_assets(sources, jobs)] if any(not s.is_table for s in sources) else []), *[quarantine_spec(settings, s) for s in sources],
                 *[stream_spec(j) for j in jobs], *bounded, *([marts] if marts else [])],
         asset_checks=[*[c for j in jobs for c in job_checks(j, days)], *[quarantine_check(s, jobs) for s in sources]],
         jobs=[*streams, savepoints, backfill_job,

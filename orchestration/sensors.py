@@ -54,7 +54,7 @@ def health_sensor(jobs: list[Job]) -> dg.SensorDefinition:
                 cursor[job.name] = [status, now]
                 reported.append(f"{job.name}: {status}")
         # The landing folders, observed on the same tick (runless observations: no run, no Spark).
-        for source in {s.name: s for j in jobs for s in j.sources}.values():
+        for source in {s.name: s for j in jobs for s in j.sources if not s.is_table}.values():
             try:
                 metadata, version = landing_observation(settings, source, jobs)
             except dg.Failure:

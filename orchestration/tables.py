@@ -27,6 +27,12 @@ def landing_key(source: str) -> dg.AssetKey:
     return dg.AssetKey(["landing", source])
 
 
+def input_key(source: Source) -> dg.AssetKey:
+    """The asset a source's records come from: its table (a table source: lineage from the job that
+    writes it) or its landing folder."""
+    return table_key(source.location) if source.is_table else landing_key(source.name)
+
+
 def partitions(settings: Settings) -> dg.DailyPartitionsDefinition:
     """Days of event time (UTC), from ``partitions_start`` to today."""
     return dg.DailyPartitionsDefinition(start_date=settings.partitions_start, end_offset=1)
@@ -87,7 +93,7 @@ def stream_spec(job: Job) -> dg.AssetSpec:
     stream (checkpoint health, freshness, supervisor, late volume) live here, unpartitioned, apart from the
     day-partitioned tables it writes."""
     return dg.AssetSpec(
-        stream_key(job), deps=[landing_key(s.name) for s in job.sources], group_name="streams", kinds={"spark"},
+        stream_key(job), deps=[input_key(s) for s in job.sources], group_name="streams", kinds={"spark"},
         owners=[f"team:{job.owner}"],
         description=f"The stream of {job.name} (`{job.name}_stream`, or `lakestream run {job.name}`): its "
                     f"checkpoint, health and supervision. It writes {job.sink.name} and {job.late_sink.name}.",
@@ -105,7 +111,7 @@ def table_spec(settings: Settings, job: Job, table: Table, role: str, partitions
     if schema is not None:
         metadata["dagster/column_schema"] = schema
     return dg.AssetSpec(
-        table_key(table), deps=[*[landing_key(s.name) for s in job.sources], stream_key(job)], description=what,
+        table_key(table), deps=[*[input_key(s) for s in job.sources], stream_key(job)], description=what,
         group_name=table.domain, owners=[f"team:{job.owner}"], kinds={fmt, "spark"}, metadata=metadata,
         partitions_def=partitions_def, tags={"lakestream/role": role},
     )
@@ -113,7 +119,7 @@ def table_spec(settings: Settings, job: Job, table: Table, role: str, partitions
 
 def quarantine_spec(settings: Settings, source: Source) -> dg.AssetSpec:
     return dg.AssetSpec(
-        table_key(source.quarantine), deps=[landing_key(source.name)], group_name="quarantine",
+        table_key(source.quarantine), deps=[input_key(source)], group_name="quarantine",
         description=f"Lines of the {source.name} landing zone that are not valid records, with the reason, the raw "
                     "line and the file; written by every job that reads the source (detected_by).",
         kinds={settings.format, "spark"}, owners=["team:data-platform"],
@@ -121,17 +127,21 @@ def quarantine_spec(settings: Settings, source: Source) -> dg.AssetSpec:
     )
 
 
+_FILES = {"json": "JSON-lines files", "csv": "CSV files", "parquet": "Parquet files"}
+
+
 def landing_assets(sources: list[Source], jobs: list[Job]) -> dg.AssetsDefinition:
     """The landing folders as observable source assets: files and bytes present and still pending."""
-    specs = [dg.AssetSpec(landing_key(s.name), group_name="landing", kinds={"json"},
-                          description=f"JSON-lines files of {s.name} events, filled in arrival order "
-                                      f"($LAKESTREAM_HOME/landing/{s.name}).") for s in sources]
+    specs = [dg.AssetSpec(landing_key(s.name), group_name="landing", kinds={s.format},
+                          description=f"{_FILES[s.format]} of {s.name} records, filled in arrival order "
+                                      f"({s.location or '$LAKESTREAM_HOME/landing/' + s.name}).")
+             for s in sources if not s.is_table]
 
     @dg.multi_observable_source_asset(specs=specs, name="landing_zone",
                                       description="Count the landing zone's files and what the streams have not read.")
     def observe(lakestream: LakestreamResource):
         settings = lakestream.settings()
-        for source in sources:
+        for source in (s for s in sources if not s.is_table):
             metadata, version = landing_observation(settings, source, jobs)
             yield dg.ObserveResult(asset_key=landing_key(source.name), metadata=metadata,
                                    data_version=dg.DataVersion(version))

@@ -100,6 +100,7 @@ class CheckpointReport:
     engine_state_rows: dict[int, int] = field(default_factory=dict)  # batch id -> rows remembered after it
     totals: dict | None = None  # the stream's cumulative statistics after the last committed batch (lines, late...)
     rewritten_files: list[str] = field(default_factory=list)  # landing files modified after the stream read them
+    table_offsets: list[dict] = field(default_factory=list)  # table sources: the snapshot read up to (Iceberg offsets)
     running: dict | None = None  # the marker of the process running the stream (pid, host, query id, start)
     problems: list[str] = field(default_factory=list)
     health: Health = field(default_factory=Health)
@@ -314,7 +315,7 @@ def inspect_job(settings: Settings, job: Job, thresholds: Thresholds | None = No
     """``inspect_checkpoint`` of a declared job: its checkpoint, the landing folders of its sources,
     the settings' storage options, and thresholds from its trigger interval unless given."""
     return inspect_checkpoint(job.name, settings.checkpoint_dir(job.name),
-                              [settings.landing_dir(s) for s in job.sources],
+                              [settings.landing_dir(s) for s in job.sources if not s.is_table],
                               thresholds or job_thresholds(settings, job), now_ms,
                               settings.storage_options)
 
@@ -351,6 +352,12 @@ def _read_offsets_and_commits(root: Tree, report: CheckpointReport) -> None:
             except ValueError as exc:
                 report.problems.append(str(exc))
             report.last_commit_ms = root.mtime_ms(LAYOUT.commit(n))
+        offset = _text(root, LAYOUT.offset(n), report.problems) if root.exists(LAYOUT.offset(n)) else None
+        try:  # a table source's offset names the snapshot the stream has read up to
+            report.table_offsets = [o for o in spark_logs.offset_sources(offset, LAYOUT.offset(n))
+                                    if isinstance(o, dict) and "snapshot_id" in o] if offset else []
+        except ValueError:
+            pass
         for b in committed[-10:]:  # how long batches take: offset-log entry (planned) -> commit-log entry
             try:
                 report.recent_batch_seconds.append(
@@ -566,6 +573,9 @@ def describe(report: CheckpointReport) -> str:
         f" at {when(report.last_commit_ms)}",
         f"in flight        {'-' if report.in_flight_batch is None else f'batch {report.in_flight_batch}'}",
         f"process          {_process(report)}",
+        *([f"source tables    read up to snapshot(s) "
+           + ", ".join(str(o["snapshot_id"]) for o in report.table_offsets)]
+          if report.table_offsets else []),
         f"source files     {report.files_consumed} consumed, {report.files_in_flight} in flight, "
         f"{report.files_waiting} waiting ({report.bytes_waiting:,} bytes)",
         f"watermark        {watermark(report.watermark_ms)}",

@@ -98,7 +98,7 @@ def _project_generate(settings) -> int | None:
         if exc.name != f"{project.package}.generate":
             raise
         raise ConfigError(f"project {project.name} has no generate.py with generate(landing); put its files into "
-                          + ", ".join(settings.landing_dir(s) for s in project.sources.values())) from None
+                          + ", ".join(settings.input_of(s) for s in project.sources.values())) from None
     said = module.generate(settings.landing)
     print(f"sample data written under {settings.landing}" if said is None else said)
     return 0

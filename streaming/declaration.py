@@ -178,7 +178,7 @@ class Table:
         return Table(f"{self.name}_{suffix}")
 
 
-FORMATS = ("json", "csv", "parquet")
+FORMATS = ("json", "csv", "parquet", "table")
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,14 @@ class Source:
     declared fields in order; ``header`` lines naming the fields are skipped; ``delimiter``) or
     ``parquet`` (columns by name; values are checked against the declared types like any other
     format). ``location``: the folder, absolute or relative to the settings' ``landing`` (default:
-    the source's name). Invalid records go to ``lake.quarantine.<name>`` with the reason. Dedup keys
+    the source's name).
+
+    ``table``: an append-only lake table (``location="lake.<namespace>.<table>"``), typically the
+    output of another lakestream job (bronze -> silver -> gold): the stream follows the table's
+    appended snapshots (Spark's Iceberg streaming read), the bounded twin reads the table as of a
+    snapshot. Columns by name, checked like any other format. ``dedup_from`` builds the dedup key
+    from several columns (a table's natural key, e.g. ``("device_id", "hot_since")``) when the
+    table has no id column of its own. Invalid records go to ``lake.quarantine.<name>`` with the reason. Dedup keys
     must be unique across the sources of one job (the generator prefixes them per source).
     """
 
@@ -202,6 +209,7 @@ class Source:
     header: bool = True
     delimiter: str = ","
     description: str = ""
+    dedup_from: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -222,12 +230,33 @@ class Source:
                 raise DeclarationError(f"Source {self.name}: {key!r} (event time / dedup key) must be required")
         if self.format not in FORMATS:
             raise DeclarationError(f"Source {self.name}: format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        if self.format == "table":
+            if not self.location:
+                raise DeclarationError(f"Source {self.name}: a table source names its table, e.g. "
+                                       f"location='lake.silver.{self.name}'")
+            Table(self.location)  # lake.<namespace>.<table>
+        if self.dedup_from:
+            if self.format != "table":
+                raise DeclarationError(f"Source {self.name}: dedup_from is for table sources; files carry their own "
+                                       f"dedup key field")
+            unknown = [c for c in self.dedup_from if c not in names or c == self.dedup_key]
+            if not isinstance(self.dedup_from, tuple) or unknown:
+                raise DeclarationError(f"Source {self.name}: dedup_from must be a tuple of its other fields, "
+                                       f"got {self.dedup_from!r}")
+            if by_name[self.dedup_key].kind != "string":
+                raise DeclarationError(f"Source {self.name}: the dedup key {self.dedup_key!r} built from "
+                                       f"{self.dedup_from} must be a string field")
         if not isinstance(self.delimiter, str) or len(self.delimiter) != 1 or self.delimiter in "\"\n\r":
             raise DeclarationError(f"Source {self.name}: delimiter must be one character (not a quote), got {self.delimiter!r}")
 
     @property
     def field_names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.fields)
+
+    @property
+    def is_table(self) -> bool:
+        """Read from a lake table (``location``), not from a landing folder of files."""
+        return self.format == "table"
 
     @property
     def quarantine(self) -> Table:

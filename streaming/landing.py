@@ -8,6 +8,10 @@ Every format arrives at the parser as the same frame: ``value`` (one record's te
   same as for text), each file's rows turned into JSON objects on the executors, with the file's own
   types written as text, so the declared types are checked exactly as for JSON. A file that is not
   Parquet becomes one quarantine record naming the file and the error, never a crashed stream.
+* ``table``: an append-only Iceberg table (another job's output): Spark's Iceberg streaming read
+  follows its appended snapshots (replacements and deletes, e.g. an upstream backfill, are not
+  re-read: the downstream's bounded twin picks them up); a batch read takes the table as of a
+  snapshot. Each row becomes a JSON object of the declared fields (``source_file``: its data file).
 """
 
 from __future__ import annotations
@@ -30,9 +34,13 @@ _BINARY_FILE = "path string, modificationTime timestamp, length long, content bi
 _PARQUET_ROWS = "value string, source_file string, _problem string"
 
 
-def read_source(spark, folder_or_files: str | list[str], source: Source, *, stream: bool,
-                max_files_per_trigger: int | None = None) -> DataFrame:
-    """The records of ``source`` under ``folder_or_files`` (a folder; batch reads may list files)."""
+def read_source(spark, folder_or_files: str | list[str] | None, source: Source, *, stream: bool,
+                max_files_per_trigger: int | None = None, snapshot: int | None = None) -> DataFrame:
+    """The records of ``source`` under ``folder_or_files`` (a folder; batch reads may list files);
+    a table source reads its table (``snapshot``: as of that snapshot, batch reads only)."""
+    if source.is_table:
+        return _read_table(spark, source, stream=stream, max_files_per_trigger=max_files_per_trigger,
+                           snapshot=snapshot)
     binary = source.format == "parquet"
     if stream:
         # A landing file deleted between the listing that planned a batch and its reading: the batch goes on
@@ -52,6 +60,44 @@ def read_source(spark, folder_or_files: str | list[str], source: Source, *, stre
         return frame.select("value", "source_file", F.lit(source.name).alias(SOURCE), PROBLEM)
     return frame.select("value", F.col("_metadata.file_path").alias("source_file"), F.lit(source.name).alias(SOURCE),
                         F.lit(None).cast("string").alias(PROBLEM))
+
+
+def check_table_source(spark, source: Source) -> None:
+    """Refuse, in one line, a table source whose table is missing or is not append-only."""
+    from .errors import ConfigError
+
+    table = source.location
+    if not spark.catalog.tableExists(table):
+        raise ConfigError(f"source {source.name} reads table {table}, which does not exist yet: run the job that "
+                          f"writes it first (table sources read Iceberg tables of the 'lake' catalog)")
+    props = {r.key: r.value for r in spark.sql(f"SHOW TBLPROPERTIES {table}").collect()}
+    if props.get("write.merge.mode") == "merge-on-read":  # lakestream's upserted tables (see IcebergSink.ensure)
+        raise ConfigError(f"source {source.name} reads {table}, which its job upserts (allowed lateness or sessions): "
+                          f"a table source must be append-only; read that job's late table or set its lateness to 0")
+
+
+def _read_table(spark, source: Source, *, stream: bool, max_files_per_trigger: int | None,
+                snapshot: int | None) -> DataFrame:
+    check_table_source(spark, source)
+    if stream:
+        reader = (spark.readStream.format("iceberg")
+                  .option("streaming-skip-delete-snapshots", "true")
+                  .option("streaming-skip-overwrite-snapshots", "true"))
+        if max_files_per_trigger is not None:
+            reader = reader.option("streaming-max-files-per-micro-batch", max_files_per_trigger)
+    else:
+        reader = spark.read.format("iceberg")
+        if snapshot is not None:
+            reader = reader.option("snapshot-id", int(snapshot))
+    frame = reader.load(source.location)
+    present = set(frame.columns)
+    built = source.dedup_key if source.dedup_from else None
+    members = [F.col(f.name) for f in source.fields if f.name in present and f.name != built]
+    if source.dedup_from:
+        members.append(F.concat_ws("|", *[F.col(c).cast("string") for c in source.dedup_from if c in present])
+                       .alias(source.dedup_key))
+    return frame.select(F.to_json(F.struct(*members)).alias("value"), F.input_file_name().alias("source_file"),
+                        F.lit(source.name).alias(SOURCE), F.lit(None).cast("string").alias(PROBLEM))
 
 
 def union(frames: list[DataFrame]) -> DataFrame:

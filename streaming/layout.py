@@ -203,3 +203,23 @@ def last_planned_and_committed(files: Files, layout: Layout) -> tuple[int | None
     planned = numbered(files.names(layout.offsets))
     committed = numbered(files.names(layout.commits))
     return (planned[-1] if planned else None), (committed[-1] if committed else None)
+
+
+def committed_offsets(files: Files, layout: Layout) -> list | None:
+    """The per-source offsets of the last committed batch (None: nothing committed)."""
+    _, committed = last_planned_and_committed(files, layout)
+    if committed is None:
+        return None
+    path = layout.offset(committed)
+    return offset_sources(files.read_text(path), path)
+
+
+def table_snapshots(files: Files, layout: Layout, sources) -> dict[str, int]:
+    """The snapshot of each table source that the stream's last committed batch read up to (Spark's
+    Iceberg offsets: ``{"snapshot_id": ..., "position": ...}``, one line per source in the job's order)."""
+    offsets = committed_offsets(files, layout) or []
+    found = {}
+    for source, offset in zip(sources, offsets):
+        if getattr(source, "is_table", False) and isinstance(offset, dict) and offset.get("snapshot_id") is not None:
+            found[source.name] = int(offset["snapshot_id"])
+    return found

@@ -198,6 +198,15 @@ def _collect(title: str, package_name: str, folder: Path | None, package: Module
                 raise ProjectError(f"job {name} ({origin[name]}) reads a source {source.name!r} that differs from the "
                                    f"one declared in {sources_module}; import the declared one")
             sources[source.name] = source
+    writers = {job.sink.name: job for job in jobs.values()}
+    for source in sources.values():
+        writer = writers.get(source.location) if source.is_table else None
+        if writer is not None and writer.upserts:
+            raise ProjectError(f"source {source.name} reads {source.location}, which job {writer.name} upserts (allowed "
+                               f"lateness or sessions): a table source must be append-only; read {writer.name}'s late "
+                               "table or set its allowed lateness to 0")
+        if writer is not None and any(s.name == source.name for s in writer.sources):
+            raise ProjectError(f"job {writer.name} reads its own output {source.location} (source {source.name})")
     unread = sorted(set(sources) - {s.name for j in jobs.values() for s in j.sources})
     if unread:
         raise ProjectError(f"project {title}: source(s) {', '.join(unread)} declared in {sources_module} but read by "

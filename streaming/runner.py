@@ -93,6 +93,10 @@ def raw_stream(spark, settings: Settings, job: Job) -> DataFrame:
     fs = HadoopFS(spark)
     frames = []
     for source in job.sources:
+        if source.is_table:
+            frames.append(read_source(spark, None, source, stream=True,
+                                      max_files_per_trigger=overrides.max_files_per_trigger))
+            continue
         landing = settings.landing_dir(source)
         if not fs.exists(landing):
             if settings.is_local:
@@ -241,7 +245,7 @@ def run_streams(
             reports.append(report)
             control.mark_running(report.query_id)
             if not available_now and progress is not None:
-                folders = ", ".join(settings.landing_dir(s) for s in job.sources)
+                folders = ", ".join(settings.input_of(s) for s in job.sources)
                 print(
                     f"{job.name}: streaming from {folders} every "
                     f"{format_duration(settings.job(job.name).trigger_interval)}; Ctrl-C stops after the current batch",

@@ -193,7 +193,7 @@ class Savepoints:
             "code_version": code_version(),
             "batch_id": batch_id if batch_id >= 0 else None,
             "watermark_ms": record.watermark_ms if record else None,
-            "source": {"landing": [self.settings.landing_dir(s) for s in job.sources], "offsets": source_offset,
+            "source": {"landing": [self.settings.input_of(s) for s in job.sources], "offsets": source_offset,
                        "last_planned_batch": offsets[-1] if offsets else None},
             "format": self.settings.format_of(job.name),
             "tables": {t.name: sink_for(self.spark, self.settings, t, job.name).version() for t in all_tables(job)},

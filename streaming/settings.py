@@ -191,6 +191,10 @@ class Settings:
             return location.rstrip("/")
         return f"{self.landing.rstrip('/')}/{(location or name).strip('/')}"
 
+    def input_of(self, source) -> str:
+        """Where a source's records come from: its table (a table source) or its landing folder."""
+        return source.location if getattr(source, "is_table", False) else self.landing_dir(source)
+
     def checkpoint_dir(self, job: str) -> str:
         return f"{self.checkpoints.rstrip('/')}/{job}"
 

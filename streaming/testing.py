@@ -18,7 +18,8 @@ Each micro-batch is written as one file per source into a landing folder of the 
 Delta) tables, the job's checkpoint. A batch is a list of records for a job with one source, or a
 dict ``{source name: records}``. Records are text lines for JSON and CSV sources (for CSV, without
 the header: the harness writes it when the source declares one), and dicts (or a pandas DataFrame)
-for Parquet sources. ``out.watermarks`` holds the watermark after each micro-batch, ``out.batches`` each batch's counts.
+for Parquet sources and table sources (a batch is one append to the table: a snapshot; the table is
+created with the declared types unless it exists). ``out.watermarks`` holds the watermark after each micro-batch, ``out.batches`` each batch's counts.
 
 One SparkSession serves every harness of a process (a JVM starts in seconds, not milliseconds):
 the first harness starts it with its own warehouse; later ones reuse it and drop the tables of
@@ -59,7 +60,9 @@ class JobHarness:
     """Run ``job`` over records given in arrival order, in a lake of its own under ``home``."""
 
     def __init__(self, job: Job, home: str | Path, *, format: str | None = None, spark=None,
-                 settings: Settings | None = None):
+                 settings: Settings | None = None, fresh_inputs: bool = True):
+        """``fresh_inputs=False`` keeps the tables of table sources (e.g. written by an upstream job's
+        harness in the same lake); by default they are dropped with the job's own tables."""
         from .session import get_spark
 
         home = Path(home)
@@ -74,7 +77,7 @@ class JobHarness:
         self.spark = spark or get_spark(self.settings)
         self._files = 0
         self._mtime = 0.0
-        self._drop_tables()
+        self._drop_tables(fresh_inputs)
 
     # -- input ----------------------------------------------------------------------------------
     def write(self, batch: Batch, empty_file: bool = False) -> list[Path]:
@@ -84,6 +87,10 @@ class JobHarness:
         written = []
         for source in self.job.sources:
             records = per_source.get(source.name)
+            if source.is_table:
+                if records is not None and len(records):
+                    self.append(source, records)
+                continue
             if records is None or len(records) == 0:
                 if not empty_file:
                     continue
@@ -97,6 +104,26 @@ class JobHarness:
             os.utime(path, (self._mtime, self._mtime))
             written.append(path)
         return written
+
+    def append(self, source: Source, records: Any) -> None:
+        """Append records (dicts or a pandas DataFrame) to a table source's table as one snapshot. The table
+        is created with the declared types if missing; create it yourself with looser types (e.g. strings)
+        to feed values that break the declaration."""
+        from pyspark.sql import functions as F
+
+        from .parse import spark_type
+
+        if not self.spark.catalog.tableExists(source.location):
+            self.spark.sql(f"CREATE NAMESPACE IF NOT EXISTS {source.location.rsplit('.', 1)[0]}")
+            columns = ", ".join(f"`{f.name}` {spark_type(f).simpleString()}" for f in source.fields
+                                if not (source.dedup_from and f.name == source.dedup_key))
+            self.spark.sql(f"CREATE TABLE {source.location} ({columns}) USING iceberg")
+        schema = self.spark.table(source.location).schema
+        frame = records if isinstance(records, pd.DataFrame) else pd.DataFrame(list(records))
+        text = [[None if _missing(v) else (v.isoformat() if hasattr(v, "isoformat") else str(v))
+                 for v in (row.get(f.name) for f in schema.fields)] for row in frame.to_dict("records")]
+        rows = self.spark.createDataFrame(text, ", ".join(f"`{f.name}` string" for f in schema.fields))
+        rows.select(*[F.col(f.name).cast(f.dataType).alias(f.name) for f in schema.fields]).writeTo(source.location).append()
 
     def _by_source(self, batch: Batch) -> dict[str, Any]:
         names = [s.name for s in self.job.sources]
@@ -115,14 +142,14 @@ class JobHarness:
         from .runner import run_stream
 
         done: list = []
-        if len(self.job.sources) == 1:
+        if len(self.job.sources) == 1 and not self.job.sources[0].is_table:
             # One file per batch, read one file per trigger: one streaming query for all the batches.
             for batch in batches:
                 self.write(batch, empty_file=True)
             settings = self.settings.with_job(self.job.name, max_files_per_trigger=1)
             run_stream(self.spark, settings, self.job, available_now=True, progress=done.append,
                        install_signal_handlers=False)
-        else:  # a file per source and batch: a run per batch keeps the batches apart
+        else:  # a file (table: a snapshot) per source and batch: a run per batch keeps the batches apart
             for batch in batches:
                 self.write(batch)
                 run_stream(self.spark, self.settings, self.job, available_now=True, progress=done.append,
@@ -148,11 +175,14 @@ class JobHarness:
         from batch.bounded import compute
 
         from .durations import epoch_ms
+        from .tables import job_sinks
 
         lo, hi = (start or _WIDE[0]), (end or _WIDE[1])
         result = compute(self.spark, self.settings, self.job, epoch_ms(lo), epoch_ms(hi))
         try:
             quarantine = list(result.quarantine.values())
+            if not quarantine:  # nothing quarantined: the quarantine tables' columns, no rows
+                quarantine = [s.read().limit(0) for s in job_sinks(self.spark, self.settings, self.job).quarantine.values()]
             bad = quarantine[0]
             for frame in quarantine[1:]:
                 bad = bad.unionByName(frame, allowMissingColumns=True)
@@ -168,13 +198,16 @@ class JobHarness:
         return reconcile(self.spark, self.settings, self.job, start or _WIDE[0], end or _WIDE[1], progress=None,
                          record=False)
 
-    def _drop_tables(self) -> None:
+    def _drop_tables(self, inputs: bool) -> None:
         from .tables import all_tables, quarantine_tables
 
         if self.settings.format != "iceberg":
             return  # Delta tables live under the harness's own home: a new home is a new lake
         for table in [*all_tables(self.job), *quarantine_tables(self.job.sources)]:
             self.spark.sql(f"DROP TABLE IF EXISTS {table.name} PURGE")
+        for source in self.job.sources:  # the harness's own upstream tables start empty too
+            if source.is_table and inputs:
+                self.spark.sql(f"DROP TABLE IF EXISTS {source.location} PURGE")
 
 
 def _active_warehouse() -> str | None:
@@ -192,6 +225,10 @@ def _as_datetime(ms: int | None) -> datetime | None:
     if ms is None or ms <= NEG_INF_MS or ms >= POS_INF_MS:
         return None
     return datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and value != value) or value is pd.NaT
 
 
 def _extension(source: Source) -> str:

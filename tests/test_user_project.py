@@ -387,6 +387,10 @@ def test_dagster_picks_up_the_sensors_project_streams_it_and_backfills_a_day(spa
     assert {"lake/sensors/device_temperature", "lake/sensors/overheat_alerts", "streams/device_temperature",
             "landing/sensor_readings", "lake/quarantine/sensor_readings"} <= keys
     assert not any(k.startswith("lake/marts") or "payments" in k for k in keys)  # nothing of the built-in example
+    # a job on a job: site_alerts' lineage starts at the table overheat_alerts writes, not at a landing folder
+    graph = defs.resolve_asset_graph()
+    assert dg.AssetKey(["lake", "sensors", "overheat_alerts"]) in graph.get(dg.AssetKey(["streams", "site_alerts"])).parent_keys
+    assert "landing/overheat_alerts" not in keys
     main = dg.AssetKey(["lake", "sensors", "device_temperature"])
     with dg.instance_for_test() as instance:
         streamed = defs.resolve_job_def("device_temperature_stream").execute_in_process(
@@ -435,3 +439,105 @@ def test_lakestream_new_makes_a_project_whose_test_passes_and_which_the_cli_runs
     lines = [line for f in sorted((project / ".lake" / "landing" / "events").glob("*.csv"))
              for line in f.read_text().splitlines()[1:]]
     assert len(lines) == 121 and sum("yesterday" in line for line in lines) == 1
+
+
+# ---- a table source: another job's output as a stream (silver -> gold) --------------------------------
+
+SILVER = Source(name="silver_orders", format="table", location="lake.test.silver_orders", event_time="placed_at",
+                dedup_key="order_key", dedup_from=("customer", "order_no"), fields=(
+                    Field("order_key", "string"), Field("order_no", "int"), Field("placed_at", "timestamp"),
+                    Field("customer", "string", pattern=r"^c[0-9]+$"), Field("total", "decimal(10,2)")))
+GOLD = WindowedJob(name="gold_totals", sources=(SILVER,), keys=("customer",), window=Tumbling(timedelta(minutes=5)),
+                   watermark=Watermark(timedelta(seconds=30)),
+                   transform=lambda f: f.select("customer", "placed_at", "order_key", "total"),
+                   aggregates=(Agg.count("orders"), Agg.sum("total")), sink=Table("lake.test.gold_totals"))
+
+
+def _silver(first: int, count: int, minute: int, customers: int = 3) -> list[dict]:
+    return [{"order_no": i // customers, "customer": f"c{i % customers}", "total": f"{10 + i % 50}.{i % 100:02d}",
+             "placed_at": T0 + timedelta(minutes=minute, seconds=11 * k)} for k, i in enumerate(range(first, first + count))]
+
+
+def _windows(rows: list[dict], closed_before: datetime | None = None) -> dict:
+    """Plain-Python tumbling 5-minute totals per customer (the oracle)."""
+    out = defaultdict(lambda: [0, Decimal("0")])
+    for r in rows:
+        t = r["placed_at"]
+        start = t.replace(minute=t.minute - t.minute % 5, second=0, microsecond=0)
+        if closed_before is None or start + timedelta(minutes=5) <= closed_before:
+            out[(r["customer"], start)][0] += 1
+            out[(r["customer"], start)][1] += Decimal(r["total"])
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _got(frame: pd.DataFrame) -> dict:
+    return {(r.customer, r.window_start.to_pydatetime().replace(tzinfo=timezone.utc)): (r.orders, r.total)
+            for r in frame.itertuples()}
+
+
+def test_a_table_source_streams_its_appends_and_its_twin_reads_a_snapshot(spark, tmp_path):
+    harness = JobHarness(GOLD, tmp_path)
+    # the upstream table, created with a looser type for `customer` and `order_no` than declared (strings)
+    spark.sql("CREATE TABLE lake.test.silver_orders (order_no string, placed_at timestamp, customer string, "
+              "total decimal(10,2)) USING iceberg")
+    b1, b2, b3 = _silver(0, 30, 0), _silver(30, 30, 6), _silver(60, 30, 12)
+    late = _silver(90, 4, 1)  # minute 1, arriving after the watermark passed 09:05: late for its window
+    bad = [{"order_no": "x", "customer": "c1", "total": "1.00", "placed_at": T0 + timedelta(minutes=13)},
+           {"order_no": "7", "customer": "zz", "total": "2.00", "placed_at": T0 + timedelta(minutes=13)},
+           {"order_no": "8", "customer": "c2", "total": "3.00", "placed_at": None}]
+    again = b2[:3]  # the same orders appended a second time: duplicates by (customer, order_no)
+    out = harness.stream([b1, b2, b3 + bad, late + again])
+    assert sorted(out.quarantine["reason"]) == [
+        "invalid customer (expected string matching ^c[0-9]+$): zz", "invalid order_no (expected int): x",
+        "missing field placed_at"]
+    assert all(f.endswith(".parquet") for f in out.quarantine["source_file"])  # the upstream data file
+    w = out.watermarks[-1]
+    assert w == b3[-1]["placed_at"] - timedelta(seconds=30)  # the bad row at 13:00 is not an event
+    on_time = b1 + b2 + b3
+    assert _got(out.main) == _windows(on_time, closed_before=w) and len(out.main) > 6
+    assert sorted(out.late["order_key"]) == sorted(f"{r['customer']}|{r['order_no']}" for r in late)
+    assert out.batches[-1].duplicates == 3
+    # the twin over the table as it is: every valid order once, nothing late
+    assert _got(harness.bounded().main) == _windows(on_time + late)
+    # rows appended after the stream's last batch are not differences: reconciliation reads the table as of
+    # the stream's snapshot (this append reopens a closed window: compared against the current table, the
+    # window would differ and nothing would explain it)
+    harness.append(SILVER, _silver(200, 2, 6))
+    report = harness.reconcile()
+    assert report.unexplained == 0 and sum(d.late for d in report.days) > 0, report.table()
+    assert _got(harness.bounded().main) == _windows(on_time + late + _silver(200, 2, 6))
+
+
+def test_sensors_chain_alerts_feed_the_hourly_site_job_as_a_stream_and_a_twin(spark, tmp_path):
+    """bronze (CSV readings) -> silver (overheat_alerts, keyed) -> gold (site_alerts, windowed on its table)."""
+    project = load(str(SENSORS))
+    silver = JobHarness(project.jobs["overheat_alerts"], tmp_path / "silver")
+    batches = _sensor_batches(tmp_path)
+
+    def spell(devices, hour, site, tag):  # 9 hot minutes: an alert at hh:05 per device
+        return [f"r-{tag}{d}{m:02d},dev-00{d},{site},2026-11-20T{hour}:{m:02d}:00Z,{95 + m % 3}.0,40.00,true"
+                for d in devices for m in range(9)]
+
+    def cool(devices, hour, tag):
+        return [f"r-{tag}{d},dev-00{d},north,2026-11-20T{hour}:30:00Z,20.0,40.00,true" for d in devices]
+
+    silver.stream(batches + [spell((1, 2), 11, "north", "a"), cool((1, 2), 12, "b"), spell((1,), 13, "south", "c"),
+                             cool((1,), 14, "d")])
+    alerts = silver.tables().main
+    assert len(alerts) == 4 and sorted(alerts["device_id"]) == ["dev-000", "dev-001", "dev-001", "dev-002"], alerts
+    gold = JobHarness(project.jobs["site_alerts"], tmp_path / "gold", fresh_inputs=False)
+    out = gold.stream([[]])  # the stream reads what the table holds (its snapshots, in commit order)
+    # oracle: pandas over the silver table's rows, hourly per site, closed by the gold watermark
+    frame = alerts.assign(hour=alerts["alert_at"].dt.floor("h"))
+    w = alerts["alert_at"].max() - pd.Timedelta(minutes=10)
+    expected = {(r.site, r.hour.to_pydatetime().replace(tzinfo=timezone.utc)): (r.alerts, r.peak, r.hot)
+                for r in frame.groupby(["site", "hour"]).agg(alerts=("device_id", "count"), peak=("peak_temperature", "max"),
+                                                             hot=("hot_readings", "sum")).reset_index().itertuples()
+                if r.hour + pd.Timedelta(hours=1) <= w}
+    got = {(r.site, r.window_start.to_pydatetime().replace(tzinfo=timezone.utc)): (r.alerts, r.peak_temperature,
+                                                                                  r.hot_readings)
+           for r in out.main.itertuples()}
+    assert got == expected and got, (got, expected)
+    twin = gold.bounded()
+    assert len(twin.main) == frame.groupby(["site", "hour"]).ngroups and twin.main["alerts"].sum() == 4
+    assert gold.reconcile().unexplained == 0
