@@ -134,7 +134,7 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
                                   store_schemas=store_schemas(spark, job))
     writer = stream.writeStream.queryName(job.name).option("checkpointLocation", checkpoint).foreachBatch(handler)
     interval = settings.job(job.name).trigger_interval
-    if available_now and not _polls(job):
+    if available_now and not _polls(job) and not _paced_tables(settings, job):
         writer = writer.trigger(availableNow=True)
     else:
         writer = writer.trigger(processingTime=f"{int(interval.total_seconds() * 1000)} milliseconds")
@@ -149,12 +149,22 @@ def _polls(job: Job) -> bool:
     return isinstance(job, KeyedJob) and job.timers == PROCESSING_TIME
 
 
-def _drained(query, elapsed_s: float) -> bool:
-    """No input waits and the last batch read none (so the timers the input made due have fired)."""
+def _paced_tables(settings: Settings, job: Job) -> bool:
+    """A table source with ``max_files_per_trigger``: Iceberg's stream (1.10) ignores read limits under
+    availableNow and reads everything in one batch, so such a run uses a processing-time trigger and
+    stops when the input is drained."""
+    return settings.job(job.name).max_files_per_trigger is not None and any(s.is_table for s in job.sources)
+
+
+def _drained(query, elapsed_s: float, timers: bool = True) -> bool:
+    """No input waits and the last batch read none (so the timers the input made due have fired);
+    without timers, no input waits after a batch."""
     status = query.status
     if status.get("isDataAvailable") or status.get("isTriggerActive"):
         return False
     last = query.lastProgress
+    if not timers:
+        return last is not None or elapsed_s > 10
     if last is None:
         return elapsed_s > 10
     return last.get("numInputRows", 0) == 0
@@ -265,7 +275,8 @@ def run_streams(
                         raise r.query.exception()
                     r.control.clear()
                 elif stop.is_set() or (polls % 4 == 0 and r.control.stop_requested()) or (
-                        available_now and _polls(r.job) and _drained(r.query, time.monotonic() - began)):
+                        available_now and (_polls(r.job) or _paced_tables(settings, r.job))
+                        and _drained(r.query, time.monotonic() - began, timers=_polls(r.job))):
                     stop_gracefully(r.query, r.report)
                     running.remove(r)
                     r.control.clear()  # a savepoint waiting for this job may go on

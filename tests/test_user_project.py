@@ -541,3 +541,99 @@ def test_sensors_chain_alerts_feed_the_hourly_site_job_as_a_stream_and_a_twin(sp
     twin = gold.bounded()
     assert len(twin.main) == frame.groupby(["site", "hour"]).ngroups and twin.main["alerts"].sum() == 4
     assert gold.reconcile().unexplained == 0
+
+
+GOLD_PROJECT = {
+    "sources.py": '''
+from streaming.declaration import Field, Source
+SILVER = Source(name="silver_orders", format="table", location="lake.crash.silver_orders", event_time="placed_at",
+                dedup_key="order_key", dedup_from=("customer", "order_no"), fields=(
+                    Field("order_key", "string"), Field("order_no", "int"), Field("placed_at", "timestamp"),
+                    Field("customer", "string", pattern=r"^c[0-9]+$"), Field("total", "decimal(10,2)")))
+''',
+    "jobs/gold.py": '''
+from datetime import timedelta
+from streaming.declaration import Agg, Table, Watermark, WindowedJob
+from streaming.windows import Tumbling
+from ..sources import SILVER
+JOB = WindowedJob(name="crash_gold", sources=(SILVER,), keys=("customer",), window=Tumbling(timedelta(minutes=5)),
+                  watermark=Watermark(timedelta(seconds=30)),
+                  transform=lambda f: f.select("customer", "placed_at", "order_key", "total"),
+                  aggregates=(Agg.count("orders"), Agg.sum("total")), sink=Table("lake.crash.crash_gold"))
+''',
+}
+
+
+@pytest.mark.slow
+def test_a_table_source_stream_killed_at_every_commit_point_ends_exactly_once(spark, warehouse, tmp_path):
+    """SIGKILL the downstream stream at each commit point of its batches (the upstream table grows by
+    one snapshot per batch); restarted, its tables equal a plain-Python replay of the snapshots."""
+    from tests.test_crash import _kill, _wait_for
+
+    for table in ("crash_gold", "crash_gold_late", "silver_orders"):
+        spark.sql(f"DROP TABLE IF EXISTS lake.crash.{table} PURGE")
+    spark.sql("DROP TABLE IF EXISTS lake.quarantine.silver_orders PURGE")
+    spark.sql("CREATE NAMESPACE IF NOT EXISTS lake.crash")
+    spark.sql("CREATE TABLE lake.crash.silver_orders (order_no string, placed_at timestamp, customer string, "
+              "total decimal(10,2)) USING iceberg")
+    snapshots = [_silver(0, 30, 0), _silver(30, 30, 6) + [{"order_no": "x", "customer": "c1", "total": "1.00",
+                                                           "placed_at": T0 + timedelta(minutes=7)}],
+                 _silver(60, 30, 12), _silver(90, 4, 1) + _silver(30, 3, 6), _silver(120, 30, 18),
+                 _silver(150, 30, 24)]
+    for rows in snapshots:
+        frame = spark.createDataFrame([(str(r["order_no"]), r["placed_at"], r["customer"], Decimal(r["total"]))
+                                       for r in rows], "order_no string, placed_at timestamp, customer string, "
+                                                       "total decimal(10,2)")
+        frame.coalesce(1).writeTo("lake.crash.silver_orders").append()  # one data file: one batch per snapshot
+    root = _project(tmp_path, "crash_project", GOLD_PROJECT)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "lakestream.yaml").write_text(f"project: {root}\nwarehouse: {warehouse}\nspark: {{shuffle_partitions: 2}}\n"
+                                          "jobs: {crash_gold: {max_files_per_trigger: 1}}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LAKESTREAM_")}
+    pauses = tmp_path / "pauses"
+    points = ["committed:lake.quarantine.silver_orders", "committed:lake.crash.crash_gold_late",
+              "committed:lake.crash.crash_gold", "before-state", "after-state"]
+    reached = []
+    for point in points:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "streaming.cli", "--home", str(home), "run", "crash_gold", "--available-now"],
+            env={**env, "LAKESTREAM_PAUSE_AT": point, "LAKESTREAM_PAUSE_DIR": str(pauses),
+                 "LAKESTREAM_PAUSE_SECONDS": "120"},
+            stdout=open(home / "child.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
+        if _wait_for(lambda: any(p.name.startswith(point + "@") for p in pauses.glob("*")), 120):
+            reached.append(point)
+        for marker in pauses.glob("*"):
+            marker.unlink()
+        if child.poll() is None:
+            _kill(child)
+    final = subprocess.run([sys.executable, "-m", "streaming.cli", "--home", str(home), "run", "crash_gold",
+                            "--available-now"], env=env, capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-2000:]
+    assert len(reached) >= 4, (reached, (home / "child.log").read_text()[-3000:])
+    # the oracle: snapshots in commit order as micro-batches, dedup by (customer, order_no), the watermark rule
+    seen, w, closed, late = set(), None, defaultdict(lambda: [0, Decimal("0")]), []
+    for rows in snapshots:
+        events = []
+        for r in rows:
+            key = f"{r['customer']}|{r['order_no']}"
+            if r["order_no"] != "x" and key not in seen:
+                seen.add(key)
+                events.append(r)
+        for r in events:
+            t = r["placed_at"]
+            start = t.replace(minute=t.minute - t.minute % 5, second=0, microsecond=0)
+            if w is not None and start + timedelta(minutes=5) <= w:
+                late.append(f"{r['customer']}|{r['order_no']}")
+            else:
+                closed[(r["customer"], start)][0] += 1
+                closed[(r["customer"], start)][1] += Decimal(r["total"])
+        if events:
+            w = max(x for x in (w, max(r["placed_at"] for r in events) - timedelta(seconds=30)) if x is not None)
+    expected = {k: tuple(v) for k, v in closed.items() if k[1] + timedelta(minutes=5) <= w}
+    main = spark.table("lake.crash.crash_gold").toPandas()
+    assert len(main) == len(main.drop_duplicates(["customer", "window_start"])), "a window written twice"
+    assert _got(main) == expected and len(expected) > 10
+    got_late = [r.order_key for r in spark.table("lake.crash.crash_gold_late").collect()]
+    assert sorted(got_late) == sorted(late) and late
+    assert spark.table("lake.quarantine.silver_orders").count() == 1
