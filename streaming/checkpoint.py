@@ -355,7 +355,7 @@ def _read_offsets_and_commits(root: Tree, report: CheckpointReport) -> None:
         offset = _text(root, LAYOUT.offset(n), report.problems) if root.exists(LAYOUT.offset(n)) else None
         try:  # a table source's offset names the snapshot the stream has read up to
             report.table_offsets = [o for o in spark_logs.offset_sources(offset, LAYOUT.offset(n))
-                                    if isinstance(o, dict) and "snapshot_id" in o] if offset else []
+                                    if spark_logs.is_table_offset(o)] if offset else []
         except ValueError:
             pass
         for b in committed[-10:]:  # how long batches take: offset-log entry (planned) -> commit-log entry
