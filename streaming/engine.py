@@ -182,6 +182,7 @@ class Fired:
 # Below this many lines a batch is "small": fewer, simpler Spark plans (see ``WindowedBatch.events``
 # and the handler), since per-plan overhead, not data, decides its time.
 SMALL_BATCH_LINES = 100_000
+FILE_CUTOFF_MS = 60_000
 _TYPES: dict[tuple, dict[str, T.DataType]] = {}
 _OBSERVATIONS = itertools.count()
 
@@ -370,9 +371,9 @@ class WindowedBatch:
         if self.bounded:
             merged = windows.merge(pieces)
             return Fired(rows=windows.sink_rows(merged.where(windows.passing())))
-        pieces = self._cache(pieces)  # read by the store's write and by the firing, concurrently
         store = {"ids": self.new_ids(), "pieces": pieces}
         if isinstance(job.window, Session):
+            store["pieces"] = pieces = self._cache(pieces)  # read by the store's write and by the firing
             return self._fire_sessions(watermark_out_ms, windows, pieces, store)
         return self._fire_windows(watermark_out_ms, windows, pieces, store)
 
@@ -386,6 +387,7 @@ class WindowedBatch:
         every = job.window.every_ms
         if lo + (-lo) % every > hi:  # no window starts there (starts are multiples of the slide): none due
             return Fired(store=store)
+        store["pieces"] = pieces = self._cache(pieces)  # read by the store's write and by the firing, concurrently
         in_range = (F.col(WS) >= F.lit(lo)) & (F.col(WS) <= F.lit(hi))
         now = pieces.where(in_range).withColumn("_now", F.lit(True))
         earlier = self.store.in_range("pieces", lo, hi) if self.store is not None else None
@@ -500,45 +502,66 @@ def plan_batch(
     # (An event is late only for a window that ended before W_in, so its event time is before W_in.)
     needs_file = F.col("_reason").isNotNull()
     if not bounded:
-        needs_file = needs_file | (F.unix_millis(F.col(job.source.event_time)) < F.lit(watermark_in_ms))
+        # W_in rounded up to the minute: a literal in this projection changes the code Spark generates for
+        # the whole parse, and a new literal every batch would recompile it every batch (~0.1 s of CPU).
+        cutoff = -(-watermark_in_ms // FILE_CUTOFF_MS) * FILE_CUTOFF_MS
+        needs_file = needs_file | (F.unix_millis(F.col(job.source.event_time)) < F.lit(cutoff))
     parsed = parsed.withColumn("source_file", F.when(needs_file, F.col("source_file")))
     return WindowedBatch(job=job, watermark_in_ms=watermark_in_ms, bounded=bounded, parsed=parsed, store=store,
                          event_range_ms=event_range_ms, batch_id=batch_id)
 
 
-def maintain(spark, job: WindowedJob, store: Store, new_files: list[StoreFile], batch_id: int, watermark_out_ms: int,
-             types: dict[str, T.DataType]) -> tuple[Manifest, list[str]]:
-    """The store after a batch: files whose rows are all expired are dropped (ids: every id forgotten;
-    pieces of tumbling/sliding windows: every window closed beyond lateness), and once a kind has
-    more than ``COMPACT_EVERY`` files they are merged into one (sessions: re-merged, closed ones
-    dropped). Returns the new manifest and the folders to delete once no replay can need them."""
-    lateness = job.watermark.allowed_lateness_ms
-    sessions = isinstance(job.window, Session)
+def _expired(job: WindowedJob, f: StoreFile, watermark_ms: int) -> bool:
+    """Whether every row of a store file has expired at ``watermark_ms`` (ids: every id forgotten;
+    pieces of tumbling/sliding windows: every window closed beyond lateness)."""
+    if f.kind == "ids":
+        return f.expires_ms <= watermark_ms
+    return not isinstance(job.window, Session) and f.expires_ms + job.watermark.allowed_lateness_ms <= watermark_ms
 
-    def expired(f: StoreFile) -> bool:
-        if f.kind == "ids":
-            return f.expires_ms <= watermark_out_ms
-        return not sessions and f.expires_ms + lateness <= watermark_out_ms
 
-    files = [*store.manifest.files, *new_files]
-    keep = [f for f in files if not expired(f)]
-    merged: dict[str, DataFrame] = {}
+@dataclass
+class Compaction:
+    """Files that replace others in the store (see :func:`compact`)."""
+
+    made: list[StoreFile] = field(default_factory=list)
+    replaced: list[StoreFile] = field(default_factory=list)
+
+
+def compaction_due(job: WindowedJob, store: Store, watermark_ms: int) -> dict[str, list[StoreFile]]:
+    """The files to merge, by kind: once a kind has ``COMPACT_EVERY`` live files (ids: of single batches;
+    pieces and session evaluations together)."""
+    keep = [f for f in store.manifest.files if not _expired(job, f, watermark_ms)]
+    due: dict[str, list[StoreFile]] = {}
     ids = [f for f in keep if f.kind == "ids" and not f.path.rsplit("/", 2)[-2].startswith("c")]  # per-batch files
-    if len(ids) > COMPACT_EVERY:
-        frame = store._read("ids", ids).where(F.col("_expires_ms") > F.lit(watermark_out_ms))  # noqa: SLF001
-        merged["ids"] = frame
-        keep = [f for f in keep if f not in ids]
+    if len(ids) >= COMPACT_EVERY:
+        due["ids"] = ids
     pieces = [f for f in keep if f.kind == "pieces"]
     evals = [f for f in keep if f.kind == "evals"]
-    if len(pieces) > COMPACT_EVERY or len(evals) > COMPACT_EVERY:
-        windows = Windows(job, types)
-        open_windows = windows.merge(store._read("pieces", pieces))  # noqa: SLF001
-        open_windows = open_windows.where(F.col(WE) + F.lit(lateness) > F.lit(watermark_out_ms))
-        merged["pieces"] = open_windows
-        keep = [f for f in keep if f.kind != "pieces"]
+    if pieces and (len(pieces) >= COMPACT_EVERY or len(evals) >= COMPACT_EVERY):
+        due["pieces"] = pieces
         if evals:
+            due["evals"] = evals
+    return due
+
+
+def compact(job: WindowedJob, store: Store, batch_id: int, watermark_ms: int, types: dict[str, T.DataType],
+            due: dict[str, list[StoreFile]]) -> Compaction:
+    """Merge the files ``due`` (see :func:`compaction_due`) into one per kind (sessions: re-merged, closed
+    ones dropped; rows expired at ``watermark_ms`` — the batch's incoming watermark — left out). It reads
+    nothing the batch writes, so it runs alongside the batch, off its critical path; the batch's
+    manifest swaps the files at the end."""
+    lateness = job.watermark.allowed_lateness_ms
+    merged: dict[str, DataFrame] = {}
+    if "ids" in due:
+        merged["ids"] = store._read("ids", due["ids"]).where(F.col("_expires_ms") > F.lit(watermark_ms))  # noqa: SLF001
+    if "pieces" in due:
+        windows = Windows(job, types)
+        open_windows = windows.merge(store._read("pieces", due["pieces"]))  # noqa: SLF001
+        open_windows = open_windows.where(F.col(WE) + F.lit(lateness) > F.lit(watermark_ms))
+        merged["pieces"] = open_windows
+        if "evals" in due:
             latest = Window.partitionBy(*job.keys, WS).orderBy(F.col("_batch").desc())
-            recent = store._read("evals", evals).withColumn("_r", F.row_number().over(latest))  # noqa: SLF001
+            recent = store._read("evals", due["evals"]).withColumn("_r", F.row_number().over(latest))  # noqa: SLF001
             recent = recent.where((F.col("_r") == 1) & ~F.col("_gone")).drop("_r")
             spans = open_windows.select(*[F.col(k).alias(f"_s_{k}") for k in job.keys], F.col(WS).alias("_s_ws"),
                                         F.col(WE).alias("_s_we"))
@@ -547,12 +570,20 @@ def maintain(spark, job: WindowedJob, store: Store, new_files: list[StoreFile], 
                 inside = inside & (F.col(k) == F.col(f"_s_{k}"))
             inside = inside & (F.col(WS) >= F.col("_s_ws")) & (F.col(WS) < F.col("_s_we"))
             merged["evals"] = recent.join(spans, inside, "left_semi")
-            keep = [f for f in keep if f.kind != "evals"]
-    if merged:
-        keep += store.write(batch_id, merged, folder=f"{store.layout.store}/c{batch_id}")
+    made = store.write(batch_id, merged, folder=f"{store.layout.store}/c{batch_id}")
+    return Compaction(made, [f for files in due.values() for f in files])
+
+
+def maintain(job: WindowedJob, store: Store, new_files: list[StoreFile], compaction: Compaction,
+             watermark_out_ms: int) -> tuple[Manifest, list[str]]:
+    """The store after a batch: its new files and the compaction's in place of the files they replace,
+    files whose rows have all expired at ``W_out`` dropped. Returns the new manifest and the folders to
+    delete once no replay can need them."""
+    files = [*store.manifest.files, *new_files, *compaction.made]
+    gone = {f.path for f in compaction.replaced}
+    keep = [f for f in files if f.path not in gone and not _expired(job, f, watermark_out_ms)]
     live = {f.path for f in keep}
     removed = [f.path for f in files if f.path not in live]
     bases = {f.path.rsplit("/", 1)[0] for f in keep}
     removed += sorted({p.rsplit("/", 1)[0] for p in removed} - bases)
     return Manifest(keep), removed
-

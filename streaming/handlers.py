@@ -26,7 +26,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from .declaration import Job, KeyedJob, WindowedJob
-from .engine import SMALL_BATCH_LINES, BatchStats, plan_batch
+from .engine import SMALL_BATCH_LINES, BatchStats, Compaction, compact, compaction_due, maintain, plan_batch
 from .errors import CheckpointCorruptError
 from .faults import FaultFn
 from .hadoopfs import HadoopFS
@@ -205,9 +205,9 @@ class WindowedHandler(_Handler):
         spark = raw.sparkSession
         started = t = time.perf_counter()
         timed = self.report.timed
-        # foreachBatch runs in the stream's session clone, where Spark turns AQE off for the sake of
-        # stateful operators. A windowed job's stream has none, so adaptive execution is safe here.
-        spark.conf.set("spark.sql.adaptive.enabled", "true")
+        # The statistics (a global aggregate) gain nothing from adaptive execution, which would run each of
+        # their stages as a job of its own; a large batch turns it on after them (see below).
+        spark.conf.set("spark.sql.adaptive.enabled", "false")
         # Observed metrics (counts taken while writing) must survive an empty batch: AQE would replace an
         # empty subtree, and the metrics node with it, by an empty relation.
         spark.conf.set("spark.sql.adaptive.optimizer.excludedRules",
@@ -220,25 +220,38 @@ class WindowedHandler(_Handler):
         w_in = watermark_of(previous)
         store = Store(spark, self.layout, previous.store if previous is not None else None, self.store_schemas)
         batch = plan_batch(job, raw, watermark_in_ms=w_in, store=store, batch_id=batch_id)
-        rows = stored = None
+        rows = stored = quarantined = None
+        compaction = None
         try:
+            due = compaction_due(job, store, w_in)
+            if due:  # merging the store's small files reads only what earlier batches wrote: alongside this batch
+                compacting = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compact-{job.name}")
+                compaction = compacting.submit(compact, job, store, batch_id, w_in, batch.types(), due)
+                compacting.shutdown(wait=False)
             stats = batch.stats()
             w_out = batch.next_watermark()
             if stats.lines <= SMALL_BATCH_LINES:
                 # A small batch's time is per-plan overhead: one shuffle partition, no re-planning per stage
                 # (restored below: Spark records the stream's partitions in its offset log).
-                spark.conf.set("spark.sql.adaptive.enabled", "false")
                 spark.conf.set("spark.sql.shuffle.partitions", "1")
+            else:
+                # foreachBatch runs in the stream's session clone, where Spark turns AQE off for the sake of
+                # stateful operators. A windowed job's stream has none, so adaptive execution is safe here.
+                spark.conf.set("spark.sql.adaptive.enabled", "true")
             t = timed("parse + stats", t)
+            commit = self.commit(batch_id, w_out)
+            # Three strands overlap: the quarantine's commit (it reads nothing but the cached lines) starts
+            # now; the store's write once the batch's events are planned; the late rows, the fired windows
+            # and their commits on this thread. None of them reads what another adds.
+            pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"batch-{job.name}")
+            quarantined = pool.submit(lambda: self.write(
+                [Output(self.sinks.quarantine[s], batch.quarantine(s), n) for s, n in batch.quarantined_by_source.items()],
+                commit, batch_id))
             fired = batch.fire(w_out)
-            # The store's write runs alongside the late rows, the fired windows and the table commits: none
-            # of them reads what this batch adds to the store.
-            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"store-{job.name}")
             stored = pool.submit(store.write, batch_id, fired.store)
             pool.shutdown(wait=False)
             t = timed("plan", t)
-            outputs = [Output(self.sinks.quarantine[s], batch.quarantine(s), n)
-                       for s, n in batch.quarantined_by_source.items()]
+            outputs = []
             n_late = 0
             if batch.may_be_late():  # only a batch with events behind the watermark counts its late rows
                 late = batch.cache(batch.late())
@@ -255,23 +268,23 @@ class WindowedHandler(_Handler):
                 outputs.append(Output(self.sinks.main, rows, span["n"], deleted, span["lo"], span["hi"],
                                       [*job.keys, "window_start"] if job.upserts else None))
             t = timed("fire windows", t)
-            tables = self.write(outputs, self.commit(batch_id, w_out), batch_id)
+            tables = self.write(outputs, commit, batch_id)
+            tables.update(quarantined.result())
             t = timed("commits", t)
             new_files = stored.result()
             events = sum(f.rows for f in new_files if f.kind == "ids")
             t = timed("dedup + windows + store", t)
             stored = None
-            from .engine import maintain
-
-            manifest, removed = maintain(spark, job, store, new_files, batch_id, w_out, batch.types())
+            manifest, removed = maintain(job, store, new_files, compaction.result() if compaction else Compaction(), w_out)
             stats = replace(stats, events=events, duplicates=stats.events - events, late=n_late,
                             rows_written=written, rows_deleted=deleted, watermark_out_ms=w_out)
             self.finish(batch_id, stats, previous, tables, started, store=manifest, removed=tuple(removed),
                         state_rows=manifest.rows())
             timed("store + record", t)
         finally:
-            if stored is not None:  # a failure elsewhere: let the store's write end before releasing the batch
-                stored.exception()
+            for strand in (quarantined, stored, compaction):  # a failure elsewhere: let the others end first
+                if strand is not None:
+                    strand.exception()
             spark.conf.set("spark.sql.shuffle.partitions", partitions)
             if rows is not None:
                 rows.unpersist()

@@ -224,3 +224,45 @@ def test_reconciliation_law_stream_plus_late_side_output_equals_bounded(spark, t
         checked += 1
     assert checked >= len([k for k in bounded if k[0] != "u9"])  # every window of the 30 minutes closed
     assert set(late_count) <= set(bounded), "every late row belongs to a window of the bounded result"
+
+
+# -- the store's compaction ------------------------------------------------------------------
+
+def many_batches(n: int = 30) -> list[list[dict]]:
+    """``n`` one-file batches, 20 s of event time apart: u1 every batch, u2 in bursts of 10 batches
+    (gaps of 200 s close its sessions), an event 4 minutes behind every 7th batch (late or a
+    correction), re-deliveries near the end of events from the first batches (their ids live
+    only in the compacted file by then), and a last batch that closes every window."""
+    batches = []
+    for i in range(n):
+        at = i * 20 * SEC
+        batch = [p(f"a{i}", at, "u1", f"{i % 9 + 1}.00")]
+        if (i // 10) % 2 == 0:
+            batch.append(p(f"b{i}", at + 5 * SEC, "u2", "2.00"))
+        if i % 7 == 3 and i >= 12:
+            batch.append(p(f"c{i}", at - 4 * MIN, "u2", "3.00"))
+        if i >= n - 4:
+            j = i - (n - 5)
+            batch.append(p(f"a{j}", j * 20 * SEC, "u1", f"{j % 9 + 1}.00"))  # a re-delivery
+        batches.append(batch)
+    return batches + [[p("z", 90 * MIN, "u9")]]
+
+
+@pytest.mark.parametrize("window", [Tumbling(timedelta(minutes=2)), Session(timedelta(minutes=3))],
+                         ids=["tumbling", "session"])
+def test_a_stream_of_more_batches_than_the_store_keeps_files_compacts_alongside_and_loses_nothing(spark, lake_home,
+                                                                                                window):
+    from streaming.layout import Layout
+    from streaming.store import COMPACT_EVERY
+
+    batches = many_batches()
+    assert len(batches) > COMPACT_EVERY + 4
+    job = job_for(window, timedelta(minutes=1))
+    report, table, late = stream(spark, lake_home, job, batches)
+    truth = oracle_run(job, batches)
+
+    assert table == expected(truth)
+    assert late == sorted((i, k, s, e) for i, k, s, e in truth.late)
+    assert report.stats.duplicates == 4, "re-deliveries found among the compacted ids"
+    store = Path(Layout(lake_home.checkpoint_dir(job.name)).store)
+    assert any(d.name.startswith("c") for d in store.iterdir()), "the store was compacted"
