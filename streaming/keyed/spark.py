@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import json
 import pickle
-import warnings
 import time
+import warnings
+import zipimport
 from datetime import date, datetime, timezone
 from decimal import Decimal
 from typing import Iterator
@@ -41,6 +42,19 @@ _STATE_SCHEMA = "blob binary"
 PAYLOAD, OUT, KEY = "_p_", "_o_", "_k_"
 BUCKET = "_bucket"
 KEY_BUCKETS = 64  # part of the state layout (a change needs a new checkpoint)
+
+
+def _keep_zip_directories() -> None:
+    """Before every task PySpark's worker calls ``importlib.invalidate_caches()``, and on Python 3.11
+    every ``zipimporter`` then re-reads its archive's directory. The worker's path holds pyspark.zip,
+    py4j's zip and Spark's core jar (thousands of entries): 75 ms of every Python task on this machine,
+    a quarter of the keyed function's time per micro-batch. The archives do not change while a worker
+    runs, so their directories are kept."""
+    zipimport.zipimporter.invalidate_caches = _keep_directory
+
+
+def _keep_directory(self) -> None:
+    return None
 
 
 def _transformed(job: KeyedJob, parsed: DataFrame, *, watermark: bool) -> DataFrame:
@@ -67,16 +81,30 @@ def _bucket(job: KeyedJob) -> F.Column:
     return F.pmod(F.xxhash64(*[F.col(k) for k in job.keys]), F.lit(KEY_BUCKETS)).cast("int")
 
 
+# The runtime's side outputs (late elements, quarantined lines, statistics) cross from Python to the JVM
+# packed as one JSON text column: a Python call returns one frame per bucket of keys, and each column
+# of a frame costs its own pandas and Arrow conversion whether or not it holds a value.
+_SIDE = (
+    ("_l_t", T.LongType()), ("_l_id", T.StringType()), ("_l_event", T.StringType()),
+    ("_q_src", T.StringType()), ("_q_file", T.StringType()), ("_q_raw", T.StringType()), ("_q_reason", T.StringType()),
+    ("_s_in", T.LongType()), ("_s_dup", T.LongType()), ("_s_max_t", T.LongType()), ("_s_wm", T.LongType()),
+)
+_SIDE_NAMES = frozenset(n for n, _ in _SIDE)
+SIDE = "_x"
+
+
 def _output_schema(job: KeyedJob, main: T.StructType, payload: T.StructType) -> T.StructType:
+    """What the Python function returns: the kind, the key, the main row typed, the side row as JSON."""
     fields = [T.StructField("_kind", T.StringType())]
     fields += [T.StructField(KEY + k, payload[k].dataType) for k in job.keys]
     fields += [T.StructField(OUT + f.name, f.dataType) for f in main.fields]
-    fields += [T.StructField(n, t) for n, t in (
-        ("_l_t", T.LongType()), ("_l_id", T.StringType()), ("_l_event", T.StringType()), ("_l_wm", T.LongType()),
-        ("_q_src", T.StringType()), ("_q_file", T.StringType()), ("_q_raw", T.StringType()), ("_q_reason", T.StringType()),
-        ("_s_in", T.LongType()), ("_s_dup", T.LongType()), ("_s_max_t", T.LongType()), ("_s_wm", T.LongType()),
-    )]
-    return T.StructType(fields)
+    return T.StructType([*fields, T.StructField(SIDE, T.StringType())])
+
+
+def _unpacked(frame: DataFrame) -> DataFrame:
+    """The function's output with the side row's fields as columns of their own."""
+    side = F.from_json(F.col(SIDE), T.StructType([T.StructField(n, t) for n, t in _SIDE]))
+    return frame.select(*[c for c in frame.columns if c != SIDE], *[side[n].alias(n) for n, _ in _SIDE])
 
 
 def _valid_utf8(text: F.Column) -> F.Column:
@@ -211,9 +239,13 @@ class _Adapter:
     def frame(self, rows: list[dict]) -> pd.DataFrame:
         """Rows (dicts by output column) as a pandas frame Arrow converts to the output schema."""
         columns = {}
+        n = len(rows)
         for f in self.output.fields:
-            values = [row.get(f.name) for row in rows]
-            columns[f.name] = _column(values, f.dataType)
+            if f.name == SIDE:
+                values = [_side_json(row) for row in rows]
+            else:
+                values = [row.get(f.name) for row in rows]
+            columns[f.name] = pd.Series(values, dtype=object) if values.count(None) == n else _column(values, f.dataType)
         return pd.DataFrame(columns, columns=self.output_names)
 
     def process_bucket(self, pdf: pd.DataFrame | None, saved: dict, watermark: int, now_ms: int,
@@ -249,6 +281,11 @@ class _Adapter:
         return self.frame(rows)
 
 
+def _side_json(row: dict) -> str | None:
+    side = {k: v for k, v in row.items() if k in _SIDE_NAMES and v is not None}
+    return json.dumps(side, ensure_ascii=False, separators=(",", ":")) if side else None
+
+
 def _column(values: list, dtype: T.DataType):
     if isinstance(dtype, T.TimestampType):
         moments = [None if v is None else v if isinstance(v, datetime) else
@@ -277,6 +314,7 @@ def stream_frame(job: KeyedJob, parsed: DataFrame) -> DataFrame:
     processing = job.timers == PROCESSING_TIME
 
     def process(key, pdfs: Iterator[pd.DataFrame], state):
+        _keep_zip_directories()
         parts = [p for p in pdfs if len(p)]
         pdf = pd.concat(parts, ignore_index=True) if parts else None
         if pd.isna(key[0]):  # invalid lines travel under the NULL bucket
@@ -301,7 +339,7 @@ def stream_frame(job: KeyedJob, parsed: DataFrame) -> DataFrame:
         yield out
 
     timeout = GroupStateTimeout.ProcessingTimeTimeout if processing else GroupStateTimeout.EventTimeTimeout
-    return frame.groupBy(BUCKET).applyInPandasWithState(process, output, _STATE_SCHEMA, "append", timeout)
+    return _unpacked(frame.groupBy(BUCKET).applyInPandasWithState(process, output, _STATE_SCHEMA, "append", timeout))
 
 
 def bounded_frame(job: KeyedJob, parsed: DataFrame) -> DataFrame:
@@ -310,11 +348,12 @@ def bounded_frame(job: KeyedJob, parsed: DataFrame) -> DataFrame:
     started_ms = int(time.time() * 1000)
 
     def process(key, pdf: pd.DataFrame) -> pd.DataFrame:
+        _keep_zip_directories()
         if pd.isna(key[0]):
             return adapter.quarantine(pdf)
         return adapter.process_bucket(pdf, {}, 0, started_ms, bounded=True)
 
-    return frame.groupBy(BUCKET).applyInPandas(process, output)
+    return _unpacked(frame.groupBy(BUCKET).applyInPandas(process, output))
 
 
 def split(job: KeyedJob, frame: DataFrame, main: T.StructType, watermark_ms: int | None = None) -> dict[str, DataFrame]:
