@@ -26,7 +26,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from .declaration import Job, KeyedJob, WindowedJob
-from .engine import SMALL_BATCH_LINES, BatchStats, Compaction, compact, compaction_due, maintain, plan_batch
+from .engine import INTERPRETED_BATCH_LINES, SMALL_BATCH_LINES, BatchStats, Compaction, compact, compaction_due, maintain, plan_batch
 from .errors import CheckpointCorruptError
 from .faults import FaultFn
 from .hadoopfs import HadoopFS
@@ -192,6 +192,17 @@ class _Handler:
             self.progress(report.last)
 
 
+_INTERPRETED = {"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
+
+
+def _interpreted(spark) -> dict[str, str | None]:
+    """Run the session's next plans without generated code; returns the settings to restore."""
+    before = {key: spark.conf.get(key, None) for key in _INTERPRETED}
+    for key, value in _INTERPRETED.items():
+        spark.conf.set(key, value)
+    return before
+
+
 class WindowedHandler(_Handler):
     """``foreachBatch`` of a windowed job: the engine's batch over the incremental store, then the commits."""
 
@@ -222,6 +233,7 @@ class WindowedHandler(_Handler):
         batch = plan_batch(job, raw, watermark_in_ms=w_in, store=store, batch_id=batch_id)
         rows = stored = quarantined = None
         compaction = None
+        restore: dict[str, str | None] = {}
         try:
             due = compaction_due(job, store, w_in)
             if due:  # merging the store's small files reads only what earlier batches wrote: alongside this batch
@@ -234,6 +246,8 @@ class WindowedHandler(_Handler):
                 # A small batch's time is per-plan overhead: one shuffle partition, no re-planning per stage
                 # (restored below: Spark records the stream's partitions in its offset log).
                 spark.conf.set("spark.sql.shuffle.partitions", "1")
+                if stats.lines <= INTERPRETED_BATCH_LINES:
+                    restore = _interpreted(spark)
             else:
                 # foreachBatch runs in the stream's session clone, where Spark turns AQE off for the sake of
                 # stateful operators. A windowed job's stream has none, so adaptive execution is safe here.
@@ -286,6 +300,11 @@ class WindowedHandler(_Handler):
                 if strand is not None:
                     strand.exception()
             spark.conf.set("spark.sql.shuffle.partitions", partitions)
+            for key, value in restore.items():
+                if value is None:
+                    spark.conf.unset(key)
+                else:
+                    spark.conf.set(key, value)
             if rows is not None:
                 rows.unpersist()
             batch.release()
