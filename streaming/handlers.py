@@ -315,9 +315,10 @@ class KeyedHandler(_Handler):
 
     job: KeyedJob
 
-    def __init__(self, *args, main_schema, **kwargs):
+    def __init__(self, *args, main_schema, key_buckets: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.main_schema = main_schema
+        self.key_buckets = key_buckets
 
     def __call__(self, frame: DataFrame, batch_id: int) -> None:
         from .keyed.spark import split
@@ -361,7 +362,7 @@ class KeyedHandler(_Handler):
                 duplicates=row["dups"], late=row["late"], rows_written=row["out"], max_event_time_ms=max_t,
                 watermark_in_ms=watermark_in, watermark_out_ms=watermark_out,
             )
-            self.finish(batch_id, stats, previous, tables, started)
+            self.finish(batch_id, stats, previous, tables, started, key_buckets=self.key_buckets)
             timed("save record", t)
         finally:
             frame.unpersist()

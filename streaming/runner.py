@@ -122,10 +122,15 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
     report = StreamReport(job=job.name)
     if isinstance(job, KeyedJob):
         from .engine import parse_sources
-        from .keyed.spark import stream_frame
+        from .keyed.spark import key_buckets, stream_frame
+        from .state import EngineState
 
-        stream = stream_frame(job, parse_sources(job, raw))
-        handler = KeyedHandler(job, checkpoint, sinks, progress, report, fault, main_schema=sinks.schemas["main"])
+        record = EngineState(spark, checkpoint).latest_record() if fs.exists(Layout(checkpoint).metadata) else None
+        buckets = key_buckets(record.key_buckets if record else None, record is not None,
+                              int(spark.conf.get("spark.sql.shuffle.partitions")))
+        stream = stream_frame(job, parse_sources(job, raw), buckets)
+        handler = KeyedHandler(job, checkpoint, sinks, progress, report, fault, main_schema=sinks.schemas["main"],
+                               key_buckets=buckets)
     else:
         from .tables import store_schemas
 

@@ -37,6 +37,7 @@ class BatchRecord:
     store: Manifest = field(default_factory=Manifest)
     removed: tuple[str, ...] = ()  # store files this batch dropped (deleted once the next batch is recorded)
     state_rows: dict | None = None  # what the stream remembers after the batch (ids, open window pieces, keys)
+    key_buckets: int | None = None  # keyed streams: how many groups the keys are bucketed in (fixed per checkpoint)
     format: int = FORMAT
 
     @property
@@ -49,6 +50,8 @@ class BatchRecord:
             "job_fingerprint": self.job_fingerprint, "job_shape": self.job_shape, "store": self.store.to_json(),
             "removed": list(self.removed), "state_rows": self.state_rows,
         }
+        if self.key_buckets is not None:
+            data["key_buckets"] = self.key_buckets
         return json.dumps(data, indent=1)
 
 
@@ -65,7 +68,7 @@ def parse_record(text: str, path: str) -> BatchRecord:
             batch_id=data["batch_id"], stats=BatchStats(**data["stats"]), totals=BatchStats(**data["totals"]),
             job_fingerprint=data["job_fingerprint"], job_shape=data.get("job_shape"),
             store=Manifest.from_json(data.get("store")), removed=tuple(data.get("removed") or ()),
-            state_rows=data.get("state_rows"), format=data["format"],
+            state_rows=data.get("state_rows"), key_buckets=data.get("key_buckets"), format=data["format"],
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointCorruptError(

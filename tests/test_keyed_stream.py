@@ -97,6 +97,42 @@ def test_timers_fire_on_the_watermark_and_state_survives_a_restart(spark, lake):
     assert second.totals.late == 1
 
 
+def test_a_checkpoint_of_the_earlier_layout_resumes_with_its_64_key_buckets(spark, lake, monkeypatch):
+    """Checkpoints written before the bucket count was recorded used 64 buckets: resumed with another
+    count, a key's state would sit in a group the key no longer hashes to, and be lost silently."""
+    import json
+    from pathlib import Path
+
+    from streaming.keyed import spark as keyed_spark
+    from streaming.layout import Layout
+
+    drop_job_tables(spark, namespaces=("test",))
+    job = reminder_job()
+    partitions = int(spark.conf.get("spark.sql.shuffle.partitions"))
+    u3_of_64 = spark.range(1).select(F.pmod(F.xxhash64(F.lit("u3")), F.lit(64))).first()[0]
+    assert u3_of_64 >= keyed_spark.BUCKETS_PER_PARTITION * partitions, "u3 must change group with the count"
+    landing = lake.landing_dir("payments")
+    write_batches(landing, [[p(1, 0, "u1"), p(2, 30 * SEC, "u2")], [p(3, 1 * MIN, "u1"), p(4, 5 * MIN, "u3")],
+                            [p(5, 10 * MIN, "u3")]])
+    monkeypatch.setattr(keyed_spark, "BUCKETS_PER_PARTITION", 64 // partitions)  # as the earlier version did
+    run(spark, lake, job, available_now=True)
+    monkeypatch.undo()
+    records = Path(Layout(lake.checkpoint_dir(job.name)).batches)
+    for path in records.glob("*.json"):  # the earlier version's records: no bucket count
+        data = json.loads(path.read_text())
+        assert data.pop("key_buckets") == 64
+        path.write_text(json.dumps(data))
+    # u3@14:00 counts the payments of 05:00 and 10:00 (kept 6 min) from before the restart: its timer's
+    # row says 3, or 1 if its state was not found; u1@40:00 moves the watermark past that timer
+    write_batches(landing, [[p(6, 3 * MIN, "u1"), p(7, 14 * MIN, "u3")], [p(8, 40 * MIN, "u1")]], start=3)
+    run(spark, lake, job, available_now=True)
+
+    rows = sorted(tuple(r) for r in spark.sql(f"SELECT user_id, count FROM {SINK} WHERE user_id = 'u3'").collect())
+    assert rows == [("u3", 1), ("u3", 2), ("u3", 3)]
+    latest = json.loads(max(records.glob("*.json"), key=lambda f: int(f.stem)).read_text())
+    assert latest["key_buckets"] == 64
+
+
 def test_ttl_and_fired_timers_leave_no_state_behind(spark, lake):
     drop_job_tables(spark, namespaces=("test",))
     job = reminder_job(dedup_ttl=timedelta(minutes=1))  # ids are remembered (for dedup) one minute only
