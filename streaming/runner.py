@@ -113,10 +113,12 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
     """Start the job's streaming query; returns ``(query, report)``."""
     checkpoint = settings.checkpoint_dir(job.name)
     fs = HadoopFS(spark)
-    if fs.exists(Layout(checkpoint).metadata):
+    resuming = fs.exists(Layout(checkpoint).metadata)
+    partitions = int(spark.conf.get("spark.sql.shuffle.partitions"))
+    if resuming:
         from .compat import check_resume
 
-        check_resume(spark, job, checkpoint, int(spark.conf.get("spark.sql.shuffle.partitions")))
+        check_resume(spark, job, checkpoint, partitions)
     sinks = job_sinks(spark, settings, job)
     raw = raw_stream(spark, settings, job)
     report = StreamReport(job=job.name)
@@ -125,9 +127,8 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
         from .keyed.spark import key_buckets, stream_frame
         from .state import EngineState
 
-        record = EngineState(spark, checkpoint).latest_record() if fs.exists(Layout(checkpoint).metadata) else None
-        buckets = key_buckets(record.key_buckets if record else None, record is not None,
-                              int(spark.conf.get("spark.sql.shuffle.partitions")))
+        record = EngineState(spark, checkpoint).latest_record() if resuming else None
+        buckets = key_buckets(record.key_buckets if record else None, record is not None, partitions)
         stream = stream_frame(job, parse_sources(job, raw), buckets)
         handler = KeyedHandler(job, checkpoint, sinks, progress, report, fault, main_schema=sinks.schemas["main"],
                                key_buckets=buckets)
