@@ -127,6 +127,13 @@ def backfill(spark, settings: Settings, job: Job, start: datetime, end: datetime
     props = {"lakestream.job": job.name, "lakestream.backfill": f"{iso_ms(start)}/{iso_ms(end)}"}
     reconciliation = None
     try:
+        # The main rows first: their pass also counts the run's lines, quarantined ones included.
+        main = result.main.cache()
+        rows = main.count()
+        stats = result.final_stats()
+        seconds = time.monotonic() - started
+        say(f"  read {stats.lines:,} lines ({stats.lines / max(seconds, 1e-9):,.0f} lines/s), {stats.events:,} "
+            f"events for the range, {stats.quarantined:,} quarantined, {stats.duplicates:,} duplicate(s) dropped")
         if reconcile_first and EngineState(spark, settings.checkpoint_dir(job.name)).latest_record() is not None:
             from .reconcile import compare, record_results, stream_watermark
 
@@ -136,9 +143,13 @@ def backfill(spark, settings: Settings, job: Job, start: datetime, end: datetime
                 + reconciliation.table())
         done = 0
         for source, frame in result.quarantine.items():
-            sinks.quarantine[source].insert_missing(frame, ("source_file", "raw_line"), props)
             done += 1
-            say(f"  [{done}/{tables}] {sinks.quarantine[source].table.name}: quarantined lines added where missing")
+            name = sinks.quarantine[source].table.name
+            if result.quarantined(source) == 0:  # (None: not counted apart, so written)
+                say(f"  [{done}/{tables}] {name}: nothing quarantined, left as it is")
+                continue
+            sinks.quarantine[source].insert_missing(frame, ("source_file", "raw_line"), props)
+            say(f"  [{done}/{tables}] {name}: quarantined lines added where missing")
         late_column = late_time_column(job)
         key = job.source.dedup_key
         t = F.unix_millis(F.col(late_column))
@@ -154,15 +165,13 @@ def backfill(spark, settings: Settings, job: Job, start: datetime, end: datetime
         done += 1
         say(f"  [{done}/{tables}] {sinks.late.table.name}: {n_absorbed:,} late row(s) of the range removed "
             "(the bounded result counts their events)")
-        main = result.main.cache()
-        rows = main.count()
         sinks.main.replace_range(main, main_time_column(job), lo, hi, props)
         main.unpersist()
         done += 1
         seconds = time.monotonic() - started
         say(f"  [{done}/{tables}] {sinks.main.table.name}: {days}/{days} day partition(s) replaced, {rows:,} rows "
-            f"({result.stats.lines / max(seconds, 1e-9):,.0f} lines/s overall)")
-        stats = replace(result.final_stats(), rows_written=rows)
+            f"({stats.lines / max(seconds, 1e-9):,.0f} lines/s overall)")
+        stats = replace(stats, rows_written=rows)
     finally:
         result.release()
     return BackfillReport(job=job.name, start=start, end=end, stats=stats, seconds=time.monotonic() - started,

@@ -45,25 +45,26 @@ def read_landing(spark, settings: Settings, job: Job, as_of: Mapping[str, int] |
 
 @dataclass
 class Bounded:
-    """The bounded result of ``job`` over ``[lo, hi)``: lazily built frames, cached while in use."""
+    """The bounded result of ``job`` over ``[lo, hi)``: lazily built frames, cached while in use. Its
+    statistics are counted while the main rows are computed: read them after an action over ``main``."""
 
     job: Job
     lo: int
     hi: int
     main: DataFrame  # the main table's rows of the range
     consumed: DataFrame  # dedup keys (``event_id``) of the events the run read for the range
-    quarantine: dict[str, DataFrame]  # per source
-    stats: BatchStats
-    seconds: float
+    quarantine: dict[str, DataFrame]  # per source (possibly empty: see ``quarantined``)
+    _stats: Callable[[], BatchStats]
+    _quarantined: Callable[[], dict[str, int]] | None = None  # lines quarantined per source, if counted
     _release: list = field(default_factory=list)
-    _events_seen: Callable[[], int] | None = None  # windowed: counted while the main rows are computed
 
     def final_stats(self) -> BatchStats:
-        """The run's statistics, events and duplicates included (call it after the main rows were read)."""
-        if self._events_seen is None:
-            return self.stats
-        events = self._events_seen()
-        return replace(self.stats, events=events, duplicates=self.stats.events - events)
+        """The run's statistics (call it after an action over ``main`` has run)."""
+        return self._stats()
+
+    def quarantined(self, source: str) -> int | None:
+        """Lines of ``source`` quarantined (None: not counted apart); after an action over ``main``."""
+        return None if self._quarantined is None else self._quarantined().get(source, 0)
 
     def release(self) -> None:
         for fn in self._release:
@@ -72,28 +73,33 @@ class Bounded:
 
 def compute(spark, settings: Settings, job: Job, lo: int, hi: int, say=lambda _m: None,
             as_of: Mapping[str, int] | None = None) -> Bounded:
-    """``as_of``: the snapshot each table source is read at (by source name; default: its current one)."""
+    """``as_of``: the snapshot each table source is read at (by source name; default: its current one).
+    Windowed jobs: nothing runs until ``main`` is read; keyed jobs run their function here."""
     from streaming.tables import check_job
 
     check_job(spark, job)
-    started = time.monotonic()
     raw = read_landing(spark, settings, job, as_of)
     if isinstance(job, KeyedJob):
-        return _keyed(spark, job, raw, lo, hi, say, started)
+        return _keyed(spark, job, raw, lo, hi, say, time.monotonic())
     plan = plan_batch(job, raw, bounded=True, event_range_ms=job.window.events_for(lo, hi))
-    stats = plan.stats()
-    seconds = time.monotonic() - started
-    say(f"  read {stats.lines:,} lines ({stats.lines / max(seconds, 1e-9):,.0f} lines/s), {stats.events:,} valid "
-        f"for the range, {stats.quarantined:,} quarantined")
     rows = plan.fire(POS_INF_MS).rows
     in_range = (F.col("window_start") >= F.lit(from_epoch_ms(lo))) & (F.col("window_start") < F.lit(from_epoch_ms(hi)))
     key = job.source.dedup_key
+
+    def stats() -> BatchStats:
+        # One pass counted both: the lines (before the dedup) and the events the firing kept.
+        lines, kept = plan.stats(), plan.events_seen()
+        return replace(lines, events=kept, duplicates=lines.events - kept, watermark_out_ms=POS_INF_MS)
+
+    def quarantined() -> dict[str, int]:
+        plan.stats()
+        return plan.quarantined_by_source
+
     return Bounded(
         job=job, lo=lo, hi=hi, main=rows.where(in_range),
         consumed=plan.events().select(F.col(key).cast("string").alias(key)),
-        quarantine={s.name: plan.quarantine(s.name) for s in job.sources if plan.quarantined_by_source.get(s.name)},
-        stats=replace(stats, watermark_out_ms=POS_INF_MS), seconds=seconds, _release=[plan.release],
-        _events_seen=plan.events_seen,
+        quarantine={s.name: plan.quarantine(s.name) for s in job.sources},
+        _stats=stats, _quarantined=quarantined, _release=[plan.release],
     )
 
 
@@ -115,6 +121,8 @@ def _keyed(spark, job: KeyedJob, raw: DataFrame, lo: int, hi: int, say, started:
     lines = row["inputs"] + row["bad"]
     say(f"  ran the keyed function over {row['inputs']:,} events ({lines / max(seconds, 1e-9):,.0f} events/s), "
         f"{row['bad']:,} quarantined")
+    stats = BatchStats(lines=lines, quarantined=row["bad"], events=row["inputs"] - row["dups"],
+                       duplicates=row["dups"], max_event_time_ms=row["max_t"], watermark_out_ms=POS_INF_MS)
     parts = split(job, frame, main_schema(job))
     column = F.unix_millis(F.col(job.time_column))
     key = job.source.dedup_key
@@ -123,7 +131,5 @@ def _keyed(spark, job: KeyedJob, raw: DataFrame, lo: int, hi: int, say, started:
         job=job, lo=lo, hi=hi, main=parts["main"].where((column >= lo) & (column < hi)),
         consumed=events.select(F.col(key).cast("string").alias(key)),
         quarantine={s.name: parts[f"quarantine:{s.name}"] for s in job.sources},
-        stats=BatchStats(lines=lines, quarantined=row["bad"], events=row["inputs"] - row["dups"],
-                         duplicates=row["dups"], max_event_time_ms=row["max_t"], watermark_out_ms=POS_INF_MS),
-        seconds=seconds, _release=[frame.unpersist],
+        _stats=lambda: stats, _release=[frame.unpersist],
     )

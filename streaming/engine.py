@@ -35,12 +35,13 @@ from pyspark.sql import Column, DataFrame, Observation, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from .columns import group, once, select
 from .declaration import Agg, WindowedJob
 from .errors import DeclarationError
 from .landing import SOURCE
 from .parse import parse
 from .sinks.base import OP
-from .store import COMPACT_EVERY, Manifest, Store, StoreFile, bucket_of, id_hashes, observed
+from .store import COMPACT_EVERY, Manifest, Store, StoreFile, bucket_of, id_hashes, observe, observed, packed
 from .windows import Session, Sliding
 
 NEG_INF_MS = -(2**62)
@@ -117,6 +118,24 @@ def assign_windows(frame: DataFrame, job: WindowedJob, time_ms: Column) -> DataF
     return frame.withColumn(WE, F.col(WS) + F.lit(size))
 
 
+def _one_window(job: WindowedJob) -> tuple[Column, Column, Column]:
+    """``*``, start and end of the one tumbling (or non-overlapping sliding) window of each row, in ms."""
+    time_ms = F.unix_millis(F.col(job.source.event_time))
+    start = time_ms - F.pmod(time_ms, F.lit(job.window.every_ms))
+    return F.col("*"), start, start + F.lit(job.window.size_ms)
+
+
+def _check_transform_output(job: WindowedJob, columns: list[str]) -> bool:
+    needed = (*job.keys, job.source.event_time, job.source.dedup_key)
+    missing = [c for c in needed if c not in columns]
+    if missing:
+        raise DeclarationError(
+            f"job {job.name}: transform output lacks column(s) {missing}; it must keep the keys, the "
+            "event-time column and the dedup key"
+        )
+    return True
+
+
 def parse_sources(job, raw: DataFrame) -> DataFrame:
     """Every line of every source of ``job``: typed fields (unioned by name), ``source``, reasons."""
     frames = []
@@ -138,14 +157,18 @@ class Windows:
         self.aggs = [a.name for a in job.aggregates]
 
     def combine(self) -> list[Column]:
-        return [_agg_expr("sum" if a.kind == "count" else a.kind, a.name).cast(self.types[a.name]).alias(a.name)
-                for a in self.job.aggregates]
+        return once("combine", lambda: [
+            _agg_expr("sum" if a.kind == "count" else a.kind, a.name).cast(self.types[a.name]).alias(a.name)
+            for a in self.job.aggregates], self.job)
 
     def merge(self, pieces: DataFrame, extra: list[Column] = ()) -> DataFrame:
         """One row per window (sessions: per set of pieces that overlap or touch) with its value."""
         keys = self.job.keys
         if not isinstance(self.job.window, Session):
-            return pieces.groupBy(*keys, WS, WE).agg(*self.combine(), *extra)
+            groups = once("window groups", lambda: [F.col(c) for c in (*keys, WS, WE)], self.job)
+            if not extra:
+                return group(pieces, groups, self.combine())
+            return pieces.groupBy(*groups).agg(*self.combine(), *extra)
         # Gaps and islands: a piece starts a new session when it starts after every earlier end of its key.
         order = Window.partitionBy(*keys).orderBy(WS, WE)
         before = F.max(WE).over(order.rowsBetween(Window.unboundedPreceding, -1))
@@ -159,8 +182,9 @@ class Windows:
 
     def sink_rows(self, windows: DataFrame) -> DataFrame:
         """The main table's columns of merged windows."""
-        return windows.select(*self.job.keys, F.timestamp_millis(F.col(WS)).alias("window_start"),
-                              F.timestamp_millis(F.col(WE)).alias("window_end"), *self.aggs)
+        return select(windows, once("sink columns", lambda: [
+            *[F.col(c) for c in self.job.keys], F.timestamp_millis(F.col(WS)).alias("window_start"),
+            F.timestamp_millis(F.col(WE)).alias("window_end"), *[F.col(a) for a in self.aggs]], self.job))
 
     def deletes(self, keys_and_starts: DataFrame) -> DataFrame:
         """Delete rows (``_op = delete``) for (keys, ``ws``) of sink rows to retract."""
@@ -193,7 +217,8 @@ _OBSERVATIONS = itertools.count()
 
 @dataclass
 class WindowedBatch:
-    """The lazily built frames of one batch. Call :meth:`stats` first (it caches the parsed lines)."""
+    """The lazily built frames of one batch. A stream's batch: call :meth:`stats` first (it caches the
+    parsed lines). Bounded: the firing's pass counts the statistics; call :meth:`stats` after it."""
 
     job: WindowedJob
     watermark_in_ms: int
@@ -207,6 +232,8 @@ class WindowedBatch:
     _buckets: set[int] = field(default_factory=set)
     _events: DataFrame | None = None
     _observation: Observation | None = None
+    _lines_seen: Observation | None = None
+    _observed_lines: DataFrame | None = None
     _windowed: DataFrame | None = None
     _cached: list[DataFrame] = field(default_factory=list)
     quarantined_by_source: dict[str, int] = field(default_factory=dict)
@@ -215,29 +242,48 @@ class WindowedBatch:
     def ttl_ms(self) -> int:
         return int(self.job.dedup_ttl.total_seconds() * 1000)
 
-    # -- statistics (one Spark job, which also caches the batch's lines) -------------------
+    # -- statistics (stream: one Spark job, which also caches the batch's lines; bounded: counted by
+    #    the firing's pass, with no job of their own) ----------------------------------------
     def _valid(self) -> Column:
+        if self.event_range_ms is None:
+            return once("valid", lambda: F.col("_reason").isNull())
         valid = F.col("_reason").isNull()
         if self.event_range_ms is not None:
             t_ms = F.unix_millis(self.job.source.event_time)
             valid = valid & (t_ms >= self.event_range_ms[0]) & (t_ms < self.event_range_ms[1])
         return valid
 
+    def _stat_columns(self) -> list[Column]:
+        if self.event_range_ms is None:
+            return once("stat columns", self._build_stat_columns, self.job)
+        return self._build_stat_columns()
+
+    def _build_stat_columns(self) -> list[Column]:
+        job, valid = self.job, self._valid()
+        t_ms = F.unix_millis(job.source.event_time)
+        bad = [F.count(F.when(F.col("_reason").isNotNull() & (F.col("source") == s.name), 1)).alias(s.name)
+               for s in job.sources]
+        extra = [] if self.bounded else [F.collect_set(F.when(valid, bucket_of(t_ms))).alias("_buckets")]
+        return [F.count(F.lit(1)).alias("_lines"), F.count(F.when(valid, 1)).alias("_valid"),
+                F.max(F.when(valid, t_ms)).alias("_max_t"), F.min(F.when(valid, t_ms)).alias("_min_t"), *bad, *extra]
+
+    def _lines(self) -> DataFrame:
+        """Every parsed line, cached. Bounded: also counted on the way (the firing's pass reads them all)."""
+        self._cache(self.parsed)
+        if not self.bounded:
+            return self.parsed
+        if self._lines_seen is None:
+            self._lines_seen = Observation(f"lines-{self.job.name}-{next(_OBSERVATIONS)}")
+            self._observed_lines = observe(self.parsed, self._lines_seen, self._stat_columns())
+        return self._observed_lines
+
     def stats(self) -> BatchStats:
+        """The batch's statistics. Bounded: call it after an action over :meth:`fire`'s rows has run."""
         if self._stats is None:
             job = self.job
-            self._cache(self.parsed)
-            valid = self._valid()
-            t_ms = F.unix_millis(job.source.event_time)
-            bad = [F.count(F.when(F.col("_reason").isNotNull() & (F.col("source") == s.name), 1)).alias(s.name)
-                   for s in job.sources]
-            extra = [] if self.bounded else [F.collect_set(F.when(valid, bucket_of(t_ms))).alias("_buckets")]
-            row = self.parsed.agg(
-                F.count(F.lit(1)).alias("_lines"), F.count(F.when(valid, 1)).alias("_valid"),
-                F.max(F.when(valid, t_ms)).alias("_max_t"), F.min(F.when(valid, t_ms)).alias("_min_t"), *bad, *extra,
-            ).first()
+            row = observed(self._lines_seen) if self.bounded else self._lines().agg(*self._stat_columns()).first()
             self.quarantined_by_source = {s.name: row[s.name] for s in job.sources}
-            self._buckets = set(row["_buckets"]) if not self.bounded else set()
+            self._buckets = set() if self.bounded else set(row["_buckets"])
             self._stats = BatchStats(lines=row["_lines"], quarantined=sum(self.quarantined_by_source.values()),
                                      events=row["_valid"], max_event_time_ms=row["_max_t"],
                                      watermark_in_ms=self.watermark_in_ms)
@@ -255,12 +301,15 @@ class WindowedBatch:
     # -- outputs ---------------------------------------------------------------------------
     def quarantine(self, source: str | None = None) -> DataFrame:
         """Invalid lines (of ``source``, or all), one row per (file, line text) with its count."""
-        bad = self.parsed.where(F.col("_reason").isNotNull())
-        if source is not None:
-            bad = bad.where(F.col("source") == source)
-        return bad.groupBy("source", "source_file", F.col("_raw").alias("raw_line")).agg(
-            F.first("_reason").alias("reason"), F.count(F.lit(1)).alias("occurrences")
-        ).select("source", "source_file", "raw_line", "reason", "occurrences", F.lit(self.job.name).alias("detected_by"))
+        self._cache(self.parsed)
+        where, keys, values, columns = once(("quarantine", source), lambda: (
+            F.col("_reason").isNotNull() & (F.lit(True) if source is None else F.col("source") == source),
+            [F.col("source"), F.col("source_file"), F.col("_raw").alias("raw_line")],
+            [F.first("_reason").alias("reason"), F.count(F.lit(1)).alias("occurrences")],
+            [F.col(c) for c in ("source", "source_file", "raw_line", "reason", "occurrences")]
+            + [F.lit(self.job.name).alias("detected_by")],
+        ), self.job)
+        return select(group(self.parsed.where(where), keys, values), columns)
 
     def events(self) -> DataFrame:
         """Valid events, each delivery once: repeated ids within the batch and ids the stream
@@ -268,12 +317,14 @@ class WindowedBatch:
         downstream, measured faster at every batch size than counting id hashes and joining back:
         1M events 2.0-2.9 s vs 4.8-5.4 s.)"""
         if self._events is None:
-            self.stats()
+            if not self.bounded:
+                self.stats()  # the batch's id buckets, for the remembered ids
             job = self.job
             key = job.source.dedup_key
-            valid = self.parsed.where(self._valid()).drop("_raw", "_reason")
-            hashed = valid.select("*", F.unix_millis(job.source.event_time).alias("event_time_ms"), *id_hashes(F.col(key)))
-            events = hashed.dropDuplicates([key])
+            valid = self._lines().where(self._valid()).drop("_raw", "_reason")
+            added = once("event columns", lambda: [
+                F.col("*"), F.unix_millis(job.source.event_time).alias("event_time_ms"), *id_hashes(F.col(key))], job)
+            events = select(valid, added).dropDuplicates([key])
             remembered = self.store.ids(self._buckets) if self.store is not None and self._buckets else None
             if remembered is not None:
                 live = remembered.where(F.col("_expires_ms") > F.lit(self.watermark_in_ms)).select("_h1", "_h2")
@@ -282,7 +333,7 @@ class WindowedBatch:
                 # Read once, by the firing: counted on the way instead of cached (a million events cost
                 # seconds to cache, and the bounded run reads them only once more, if ever).
                 self._observation = Observation(f"events-{self.job.name}-{next(_OBSERVATIONS)}")
-                self._events = events.observe(self._observation, F.count(F.lit(1)).alias("n"))
+                self._events = observe(events, self._observation, once("events metric", lambda: packed([F.count(F.lit(1)).alias("n")])))
             else:
                 self._events = self._cache(events)
         return self._events
@@ -293,29 +344,31 @@ class WindowedBatch:
 
     def new_ids(self) -> DataFrame:
         """The ids this batch brings, with when they are forgotten: ``max(event time, W_in) + dedup_ttl``."""
-        expires = F.greatest(F.col("event_time_ms"), F.lit(self.watermark_in_ms)) + F.lit(self.ttl_ms)
-        return self.events().select(bucket_of(F.col("event_time_ms")).alias("_b"), "_h1", "_h2",
-                                    expires.alias("_expires_ms"))
+        t, bucket, hashes = once("new ids", lambda: (
+            F.col("event_time_ms"), bucket_of(F.col("event_time_ms")).alias("_b"), [F.col("_h1"), F.col("_h2")]))
+        expires = F.greatest(t, F.lit(self.watermark_in_ms)) + F.lit(self.ttl_ms)
+        return self.events().select(bucket, *hashes, expires.alias("_expires_ms"))
 
-    def _late_condition(self) -> Column:
+    def _late_condition(self, we: Column | None = None) -> Column:
         if self.bounded:
             return F.lit(False)
-        return F.col(WE) + F.lit(self.job.watermark.allowed_lateness_ms) <= F.lit(self.watermark_in_ms)
+        we = F.col(WE) if we is None else we
+        return we + F.lit(self.job.watermark.allowed_lateness_ms) <= F.lit(self.watermark_in_ms)
 
     def windowed(self) -> DataFrame:
         """Transformed events with their windows and a ``_late`` flag (one row per event and window)."""
         if self._windowed is None:
             job = self.job
             measured = job.transform(self.events())
-            needed = (*job.keys, job.source.event_time, job.source.dedup_key)
-            missing = [c for c in needed if c not in measured.columns]
-            if missing:
-                raise DeclarationError(
-                    f"job {job.name}: transform output lacks column(s) {missing}; it must keep the keys, the "
-                    "event-time column and the dedup key"
-                )
-            windowed = assign_windows(measured, job, F.unix_millis(F.col(job.source.event_time)))
-            self._windowed = windowed.withColumn("_late", self._late_condition())
+            once("transform output checked", lambda: _check_transform_output(job, measured.columns), job)
+            window = job.window
+            if isinstance(window, Session) or (isinstance(window, Sliding) and window.windows_per_event > 1):
+                windowed = assign_windows(measured, job, F.unix_millis(F.col(job.source.event_time)))
+                self._windowed = windowed.withColumn("_late", self._late_condition())
+            else:  # one window per event: one projection, its expressions built once per job
+                every_star, ws, we = once("one window", lambda: _one_window(job), job)
+                late = self._late_condition(we)
+                self._windowed = measured.select(every_star, ws.alias(WS), we.alias(WE), late.alias("_late"))
         return self._windowed
 
     def late(self) -> DataFrame:
@@ -359,12 +412,11 @@ class WindowedBatch:
     def pieces(self) -> DataFrame:
         """This batch's partial aggregates of on-time events: per window (sessions: per merged interval)."""
         job = self.job
-        on_time = self.windowed().where(~F.col("_late"))
         types = self.types()
-        values = [(F.lit(1) if a.kind == "count" and a.column == "*" else F.col(a.column)).cast(types[a.name]).alias(a.name)
-                  for a in job.aggregates]
-        rows = on_time.select(*job.keys, WS, WE, *values)
-        return Windows(job, types).merge(rows)
+        on_time, columns = once("piece columns", lambda: (~F.col("_late"), [F.col(c) for c in (*job.keys, WS, WE)] + [
+            (F.lit(1) if a.kind == "count" and a.column == "*" else F.col(a.column)).cast(types[a.name]).alias(a.name)
+            for a in job.aggregates]), job)
+        return Windows(job, types).merge(select(self.windowed().where(on_time), columns))
 
     # -- firing ----------------------------------------------------------------------------
     def fire(self, watermark_out_ms: int) -> Fired:

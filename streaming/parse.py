@@ -16,6 +16,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from .columns import once, select
 from .declaration import Field, Source
 
 AMOUNT_TYPE = T.DecimalType(18, 2)
@@ -100,34 +101,16 @@ def _show(raw: Column) -> Column:
 
 
 def parse(raw: DataFrame, source: Source) -> DataFrame:
-    first, typed, last = _expressions(source)
-    problem = F.col(PROBLEM) if PROBLEM in raw.columns else F.lit(None).cast("string")
-    parsed = raw.select(*first, problem.alias(PROBLEM)) \
-        .select("_raw", "source_file", PROBLEM, F.col("_j").isNull().alias("_null"), "_j.*")
+    first, expand, typed, last = once(("parse", source, PROBLEM in raw.columns), lambda: _build(source, raw.columns))
+    parsed = select(select(raw, first), expand)
     if source.format == "csv" and source.header:  # a header line names the fields: not a record, skipped
         is_header = [F.col(f.name) == F.lit(f.name) for f in source.fields]
         parsed = parsed.where(~F.coalesce(reduce(lambda a, b: a & b, is_header), F.lit(False)))
-    return parsed.select("*", *typed).select(*last)
+    return select(select(parsed, typed), last)
 
 
-_BUILT: dict = {}
-
-
-def _expressions(source: Source) -> tuple[list[Column], list[Column], list[Column]]:
-    """The parse's column expressions, built once per source and JVM (a micro-batch would otherwise
-    spend ~0.1 s of py4j calls rebuilding the same few hundred expression nodes)."""
-    from pyspark import SparkContext
-
-    jvm = id(SparkContext._active_spark_context)  # noqa: SLF001 - a new JVM needs new expressions
-    key = (source, jvm)
-    if key not in _BUILT:
-        for stale in [k for k in _BUILT if k[1] != jvm]:
-            del _BUILT[stale]
-        _BUILT[key] = _build(source)
-    return _BUILT[key]
-
-
-def _build(source: Source) -> tuple[list[Column], list[Column], list[Column]]:
+def _build(source: Source, columns: list[str]) -> tuple[list[Column], ...]:
+    """The parse's column expressions (a few hundred nodes: built once per source and JVM, see ``columns``)."""
     schema = T.StructType(
         [T.StructField(f.name, T.StringType()) for f in source.fields] + [T.StructField(_CORRUPT, T.StringType())]
     )
@@ -142,8 +125,10 @@ def _build(source: Source) -> tuple[list[Column], list[Column], list[Column]]:
         blank = F.col("_null")  # an empty or blank line parses to NULL
     # Expand the struct once: referencing `from_json(...).field` directly makes Spark parse the
     # line again for every reference (measured: 3x slower).
-    first = [F.col("value").alias("_raw"), F.col("source_file"), parsed.alias("_j")]
-    typed = [_typed(f, F.col(f.name)).alias(f"_typed_{f.name}") for f in source.fields if f.kind != "string"]
+    problem = F.col(PROBLEM) if PROBLEM in columns else F.lit(None).cast("string")
+    first = [F.col("value").alias("_raw"), F.col("source_file"), parsed.alias("_j"), problem.alias(PROBLEM)]
+    expand = [F.col(c) for c in ("_raw", "source_file", PROBLEM)] + [F.col("_j").isNull().alias("_null"), F.col("_j.*")]
+    typed = [F.col("*")] + [_typed(f, F.col(f.name)).alias(f"_typed_{f.name}") for f in source.fields if f.kind != "string"]
     checks: list[Column] = [
         F.col(PROBLEM),
         F.when(blank | F.col(_CORRUPT).isNotNull(), F.lit(malformed)),
@@ -161,4 +146,4 @@ def _build(source: Source) -> tuple[list[Column], list[Column], list[Column]]:
         F.col("source_file"),
         reason.alias("_reason"),
     ]
-    return first, typed, last
+    return first, expand, typed, last

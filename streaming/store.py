@@ -30,6 +30,7 @@ from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from .columns import once, select
 from .layout import Layout
 
 _WRITES = itertools.count()
@@ -147,16 +148,11 @@ class Store:
 
     def _write_kind(self, batch_id: int, base: str, kind: str, frame: DataFrame) -> StoreFile | None:
         names = self.schemas[kind].names
-        lo, hi, expires = ("_b", "_b", "_expires_ms") if kind == "ids" else ("ws", "we", "we")
-        metrics = [F.count(F.lit(1)).alias("rows"), F.min(lo).alias("lo"), F.max(hi).alias("hi"),
-                   F.max(expires).alias("expires")]
-        if kind == "ids":
-            # (an observed array comes back as a Java object: the buckets travel as text)
-            buckets = F.sort_array(F.collect_set(F.col("_b")))
-            metrics.append(F.array_join(F.transform(buckets, lambda b: b.cast("string")), ",").alias("buckets"))
-        observation = Observation(f"store-{batch_id}-{kind}-{next(_WRITES)}")
+        columns, metrics = once(("store write", kind, tuple(names)), lambda: (
+            [F.col(n) for n in names], packed(_write_metrics(kind))))
         path = f"{base}/{kind}"
-        frame.select(*names).observe(observation, *metrics).write.mode("overwrite").parquet(path)
+        observation = Observation(f"store-{batch_id}-{kind}-{next(_WRITES)}")
+        observe(select(frame, columns), observation, metrics).write.mode("overwrite").parquet(path)
         got = observed(observation)
         if not got.get("rows"):
             return None
@@ -167,18 +163,45 @@ class Store:
         )
 
 
+def _write_metrics(kind: str) -> list[F.Column]:
+    lo, hi, expires = ("_b", "_b", "_expires_ms") if kind == "ids" else ("ws", "we", "we")
+    metrics = [F.count(F.lit(1)).alias("rows"), F.min(lo).alias("lo"), F.max(hi).alias("hi"),
+               F.max(expires).alias("expires")]
+    if kind == "ids":
+        # (an observed array comes back as a Java object: the buckets travel as text)
+        buckets = F.sort_array(F.collect_set(F.col("_b")))
+        metrics.append(F.array_join(F.transform(buckets, lambda b: b.cast("string")), ",").alias("buckets"))
+    return metrics
+
+
+_METRICS = "m"
+
+
+def observe(frame: DataFrame, observation: Observation, metrics: list[F.Column] | F.Column) -> DataFrame:
+    """``frame`` observed by ``observation``: the named aggregates ``metrics`` (or their :func:`packed`
+    column), read with :func:`observed`. They travel as one JSON text (reading a metrics map entry by
+    entry costs py4j calls each)."""
+    return frame.observe(observation, metrics if isinstance(metrics, F.Column) else packed(metrics))
+
+
+def packed(metrics: list[F.Column]) -> F.Column:
+    return F.to_json(F.struct(*metrics)).alias(_METRICS)
+
+
 def observed(observation: Observation, timeout_s: float = 300.0) -> dict:
-    """The metrics an action observed. ``Observation.get`` waits for ever when the metrics node was
-    optimised away; fail with a clear error instead (the stream restarts and replays the batch)."""
+    """The metrics an action observed (see :func:`observe`; a metric that is NULL is None).
+    ``Observation.get`` waits for ever when the metrics node was optimised away; fail with a clear
+    error instead (the stream restarts and replays the batch)."""
+    import json
     import threading
+    from collections import defaultdict
 
     from .errors import EngineError
 
     box: list = []
-    waiter = threading.Thread(target=lambda: box.append(observation.get), daemon=True)
+    waiter = threading.Thread(target=lambda: box.append(observation._jo.get().apply(_METRICS)), daemon=True)  # noqa: SLF001
     waiter.start()
     waiter.join(timeout_s)
     if not box:
         raise EngineError(f"Spark reported no metrics for {observation._name} within {timeout_s:.0f}s")  # noqa: SLF001
-    return box[0]
-
+    return defaultdict(lambda: None, json.loads(box[0]))
