@@ -41,7 +41,8 @@ from .errors import DeclarationError
 from .landing import SOURCE
 from .parse import parse
 from .sinks.base import OP
-from .store import COMPACT_EVERY, Manifest, Store, StoreFile, bucket_of, id_hashes, observe, observed, packed
+from .store import (BUCKET_MS, COMPACT_EVERY, MAX_BUCKETS, Manifest, Store, StoreFile, bucket_of, id_hashes, observe,
+                    observed, packed)
 from .windows import Session, Sliding
 
 NEG_INF_MS = -(2**62)
@@ -229,7 +230,7 @@ class WindowedBatch:
     batch_id: int = 0
     _stats: BatchStats | None = None
     _min_t: int | None = None
-    _buckets: set[int] = field(default_factory=set)
+    _buckets: set[int] | None = field(default_factory=set)  # event-time buckets of the valid events (None: too many)
     _events: DataFrame | None = None
     _observation: Observation | None = None
     _lines_seen: Observation | None = None
@@ -263,7 +264,8 @@ class WindowedBatch:
         t_ms = F.unix_millis(job.source.event_time)
         bad = [F.count(F.when(F.col("_reason").isNotNull() & (F.col("source") == s.name), 1)).alias(s.name)
                for s in job.sources]
-        extra = [] if self.bounded else [F.collect_set(F.when(valid, bucket_of(t_ms))).alias("_buckets")]
+        buckets = F.collect_set(F.when(valid, bucket_of(t_ms)))  # (NULL when too many to list: all)
+        extra = [] if self.bounded else [F.when(F.size(buckets) <= MAX_BUCKETS, buckets).alias("_buckets")]
         return [F.count(F.lit(1)).alias("_lines"), F.count(F.when(valid, 1)).alias("_valid"),
                 F.max(F.when(valid, t_ms)).alias("_max_t"), F.min(F.when(valid, t_ms)).alias("_min_t"), *bad, *extra]
 
@@ -283,7 +285,7 @@ class WindowedBatch:
             job = self.job
             row = observed(self._lines_seen) if self.bounded else self._lines().agg(*self._stat_columns()).first()
             self.quarantined_by_source = {s.name: row[s.name] for s in job.sources}
-            self._buckets = set() if self.bounded else set(row["_buckets"])
+            self._buckets = set() if self.bounded else None if row["_buckets"] is None else set(row["_buckets"])
             self._stats = BatchStats(lines=row["_lines"], quarantined=sum(self.quarantined_by_source.values()),
                                      events=row["_valid"], max_event_time_ms=row["_max_t"],
                                      watermark_in_ms=self.watermark_in_ms)
@@ -325,7 +327,7 @@ class WindowedBatch:
             added = once("event columns", lambda: [
                 F.col("*"), F.unix_millis(job.source.event_time).alias("event_time_ms"), *id_hashes(F.col(key))], job)
             events = select(valid, added).dropDuplicates([key])
-            remembered = self.store.ids(self._buckets) if self.store is not None and self._buckets else None
+            remembered = self.store.ids(self._buckets) if self.store is not None and self._buckets != set() else None
             if remembered is not None:
                 live = remembered.where(F.col("_expires_ms") > F.lit(self.watermark_in_ms)).select("_h1", "_h2")
                 events = events.join(live, ["_h1", "_h2"], "left_anti")
@@ -588,7 +590,8 @@ def compaction_due(job: WindowedJob, store: Store, watermark_ms: int) -> dict[st
     pieces and session evaluations together)."""
     keep = [f for f in store.manifest.files if not _expired(job, f, watermark_ms)]
     due: dict[str, list[StoreFile]] = {}
-    ids = [f for f in keep if f.kind == "ids" and not f.path.rsplit("/", 2)[-2].startswith("c")]  # per-batch files
+    ids = [f for f in keep if f.kind == "ids" and not f.path.rsplit("/", 2)[-2].startswith("c")  # per-batch files
+           and f.bucket_ms == BUCKET_MS]  # (files with wider buckets are left to expire)
     if len(ids) >= COMPACT_EVERY:
         due["ids"] = ids
     pieces = [f for f in keep if f.kind == "pieces"]

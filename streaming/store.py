@@ -3,11 +3,13 @@ only for what changed, read only for what a batch needs.
 
 Three kinds of rows, each batch writing one folder ``lakestream/store/<batch>/<kind>``:
 
-* ``ids`` — remembered event ids: two 64-bit hashes of the dedup key, its event-time bucket and when
-  it is forgotten (``expires_ms = max(event time, W_in) + dedup_ttl``). A batch reads only the files
-  holding the buckets of its own events (a re-delivery has the event time of the original), so the
-  cost of deduplication follows the batch, not the number of remembered ids; a file is dropped
-  whole once every id in it has expired.
+* ``ids`` — remembered event ids: two 64-bit hashes of the dedup key, its event-time bucket (one
+  second; files written before 2026-11-25 have one-minute buckets, each file says which) and when
+  it is forgotten (``expires_ms = max(event time, W_in) + dedup_ttl``). A batch reads only the ids
+  in the buckets of its own events (a re-delivery has the event time of the original), so the
+  cost of deduplication follows the batch, not the number of remembered ids (with one-minute
+  buckets a live stream read up to a minute of ids per batch: 180k rows at 5k events/s); a file is
+  dropped whole once every id in it has expired.
 * ``pieces`` — partial aggregates of the on-time events of one batch per window (sessions: per
   merged interval). A window's value is the combination of its pieces; a batch reads the pieces of
   the windows that fire or are corrected, nothing else.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import reduce
 
 from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
@@ -34,7 +37,9 @@ from .columns import once, select
 from .layout import Layout
 
 _WRITES = itertools.count()
-BUCKET_MS = 60_000  # event-time bucket of remembered ids
+BUCKET_MS = 1_000  # event-time bucket of remembered ids
+LEGACY_BUCKET_MS = 60_000  # of files that do not say (written before buckets were a second)
+MAX_BUCKETS = 4096  # a batch spanning more seconds of event time looks its ids up in every file
 COMPACT_EVERY = 24  # merge the files of a kind once there are this many
 KINDS = ("ids", "pieces", "evals")
 
@@ -56,6 +61,7 @@ class StoreFile:
     hi: int  # ids: last bucket; pieces/evals: latest window end (ms)
     expires_ms: int  # ids: the last expiry; pieces/evals: latest window end (eviction adds the lateness)
     buckets: tuple[int, ...] = ()  # ids: every bucket in the file (exact pruning)
+    bucket_ms: int = LEGACY_BUCKET_MS  # ids: the width of its buckets
 
     @staticmethod
     def of(data: dict) -> "StoreFile":
@@ -105,11 +111,18 @@ class Store:
             return None
         return self.spark.read.schema(self.schemas[kind]).parquet(*[f.path for f in files])
 
-    def ids(self, buckets: set[int]) -> DataFrame | None:
-        """Remembered ids whose event-time bucket is one of ``buckets``."""
-        files = [f for f in self.manifest.of_kind("ids") if buckets.intersection(f.buckets)]
-        frame = self._read("ids", files)
-        return None if frame is None else frame.where(F.col("_b").isin(sorted(buckets)))
+    def ids(self, buckets: set[int] | None) -> DataFrame | None:
+        """Remembered ids whose event-time bucket is one of ``buckets`` (``BUCKET_MS`` wide; None: all)."""
+        files = self.manifest.of_kind("ids")
+        if buckets is None:
+            return self._read("ids", files)
+        frames = []
+        for width in sorted({f.bucket_ms for f in files}):
+            wanted = {b * BUCKET_MS // width for b in buckets}  # (floor(floor(t / 1 s) / 60) = floor(t / 1 min))
+            frame = self._read("ids", [f for f in files if f.bucket_ms == width and wanted.intersection(f.buckets)])
+            if frame is not None:
+                frames.append(frame.where(F.col("_b").isin(sorted(wanted))))
+        return reduce(DataFrame.unionAll, frames) if frames else None
 
     def in_range(self, kind: str, lo_ms: int, hi_ms: int) -> DataFrame | None:
         """Rows of ``kind`` whose window starts in ``[lo_ms, hi_ms]``."""
@@ -160,6 +173,7 @@ class Store:
             path=path, kind=kind, batch=batch_id, rows=int(got["rows"]), lo=int(got["lo"]), hi=int(got["hi"]),
             expires_ms=int(got["expires"]),
             buckets=tuple(int(b) for b in (got.get("buckets") or "").split(",") if b) if kind == "ids" else (),
+            bucket_ms=BUCKET_MS,
         )
 
 

@@ -266,3 +266,31 @@ def test_a_stream_of_more_batches_than_the_store_keeps_files_compacts_alongside_
     assert report.stats.duplicates == 4, "re-deliveries found among the compacted ids"
     store = Path(Layout(lake_home.checkpoint_dir(job.name)).store)
     assert any(d.name.startswith("c") for d in store.iterdir()), "the store was compacted"
+
+
+def test_ids_remembered_in_minute_buckets_by_an_earlier_version_still_catch_re_deliveries(spark, lake_home, monkeypatch):
+    """Checkpoints written before remembered ids had one-second buckets keep their one-minute files:
+    a stream resumed on them still finds re-deliveries of the events they hold."""
+    import streaming.columns
+    import streaming.store
+
+    batches = many_batches()
+    folder = lake_home.landing_dir("payments")
+
+    def run(job):
+        streaming.columns._BUILT.clear()  # noqa: SLF001 - expressions built with the other bucket width
+        settings = lake_home.with_job(job.name, max_files_per_trigger=1)
+        return run_stream(spark, settings, job, available_now=True, progress=None, install_signal_handlers=False)
+
+    window, lateness = Tumbling(timedelta(minutes=2)), timedelta(minutes=1)
+    with monkeypatch.context() as m:
+        m.setattr(streaming.store, "BUCKET_MS", streaming.store.LEGACY_BUCKET_MS)
+        write_batches(folder, batches[:10])
+        first = run(job_for(window, lateness))
+    write_batches(folder, batches[10:], start=10)
+    second = run(job_for(window, lateness))
+    truth = oracle_run(job_for(window, lateness), batches)
+
+    assert read_windows(spark) == expected(truth)
+    assert read_late(spark) == sorted((i, k, s, e) for i, k, s, e in truth.late)
+    assert (first.stats.duplicates, second.stats.duplicates) == (0, 4), "re-deliveries of events in minute-bucket files"
