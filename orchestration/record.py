@@ -28,7 +28,8 @@ telemetry:
 
 
 def ensure_dagster_yaml(dagster_home: str | None = None) -> str:
-    """Write ``$DAGSTER_HOME/dagster.yaml`` unless one exists; returns its path."""
+    """Write ``$DAGSTER_HOME/dagster.yaml`` unless one exists, and create the instance's storage;
+    returns the yaml's path. Call it before starting Dagster's processes (``make ui`` does)."""
     home = dagster_home or os.environ.get("DAGSTER_HOME")
     if not home:
         raise SystemExit("DAGSTER_HOME is not set; run `make ui` (it sets $LAKESTREAM_HOME/dagster) or export it")
@@ -37,7 +38,17 @@ def ensure_dagster_yaml(dagster_home: str | None = None) -> str:
     if not os.path.exists(path):
         with open(path, "w") as out:
             out.write(DAGSTER_YAML)
+    _create_storage(home)
     return path
+
+
+def _create_storage(home: str) -> None:
+    """Create (and stamp) the instance's storage now, in this one process: the webserver, the daemon
+    and their code servers all start at once, and on a fresh SQLite home each would create the
+    databases itself; two stamping at the same moment leave ``alembic_version`` with two rows
+    ("more than one head present", dagster-io/dagster#27390) and the code location fails to load."""
+    with dg.DagsterInstance.from_config(home) as instance:
+        instance.run_storage, instance.event_log_storage, instance.schedule_storage  # noqa: B018 - created on access
 
 
 def record_outside_run(job: Job, days: list[str], *, what: str, metadata: dict,

@@ -487,3 +487,28 @@ def test_a_run_outside_dagster_is_recorded_as_materializations(spark, small_land
         assert meta["recorded_from"].value == "lakestream demo" and meta["watermark_time"].value == 1_763_600_000
         late = instance.fetch_materializations(dg.AssetKey(["lake", "payments", "purchase_metrics_late"]), limit=1)
         assert late.records
+
+
+def test_a_fresh_dagster_home_is_created_once_before_its_processes_start(tmp_path):
+    """`make ui` and the e2e servers prepare DAGSTER_HOME first: the webserver, the daemon and their
+    code servers then find stamped SQLite databases instead of all creating them at once (two
+    processes stamping together left two alembic heads and a code location that failed to load)."""
+    import sqlite3
+    from concurrent.futures import ProcessPoolExecutor
+
+    from orchestration.record import ensure_dagster_yaml
+
+    home = tmp_path / "dagster"
+    ensure_dagster_yaml(str(home))
+    databases = sorted(home.rglob("*.db"))
+    assert {p.name for p in databases} >= {"runs.db", "index.db", "schedules.db"}, databases
+    heads = {p.name: sqlite3.connect(p).execute("SELECT version_num FROM alembic_version").fetchall() for p in databases}
+    assert all(len(rows) == 1 for rows in heads.values()), heads
+    with ProcessPoolExecutor(4) as pool:  # four processes opening it at once, as `dagster dev` does
+        counts = list(pool.map(_runs_in, [str(home)] * 4))
+    assert counts == [0, 0, 0, 0]
+
+
+def _runs_in(home: str) -> int:
+    with dg.DagsterInstance.from_config(home) as instance:
+        return instance.get_runs_count()
