@@ -24,11 +24,14 @@ those windows win, or duplicate them if it appends):
 
 from __future__ import annotations
 
+import itertools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Callable
 
+from pyspark.sql import Observation
 from pyspark.sql import functions as F
 
 from streaming.declaration import Job, KeyedJob
@@ -37,12 +40,14 @@ from streaming.engine import BatchStats
 from streaming.errors import DateRangeError, OwnershipError
 from streaming.settings import Settings
 from streaming.state import EngineState
+from streaming.store import observe, observed
 from streaming.tables import job_sinks, late_time_column, main_time_column
 from streaming.windows import Session
 
 from .bounded import compute, read_landing  # noqa: F401 - read_landing is part of this module's API
 
 DAY_MS = 86_400_000
+_RUNS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -127,52 +132,67 @@ def backfill(spark, settings: Settings, job: Job, start: datetime, end: datetime
     props = {"lakestream.job": job.name, "lakestream.backfill": f"{iso_ms(start)}/{iso_ms(end)}"}
     reconciliation = None
     try:
-        # The main rows first: their pass also counts the run's lines, quarantined ones included.
-        main = result.main.cache()
-        rows = main.count()
+        main, rows_seen = result.main, None
+        if reconcile_first and EngineState(spark, settings.checkpoint_dir(job.name)).latest_record() is not None:
+            from .reconcile import compare, record_results, stream_watermark
+
+            main = main.cache()  # read by the comparison, then written
+            rows = main.count()
+            reconciliation = compare(spark, settings, job, result, stream_watermark(spark, settings, job), start, end)
+            record_results(spark, settings, reconciliation)
+        else:  # one pass reads the lines, counts them and writes the range (no cache, no separate count)
+            rows_seen = Observation(f"backfill-{job.name}-{next(_RUNS)}")
+            main = observe(main, rows_seen, [F.count(F.lit(1)).alias("n")])
+        # The main table first: its pass also counts the run's lines, quarantined ones included.
+        sinks.main.replace_range(main, main_time_column(job), lo, hi, props)
+        if rows_seen is not None:
+            rows = int(observed(rows_seen)["n"] or 0)
+        main.unpersist()
         stats = result.final_stats()
         seconds = time.monotonic() - started
         say(f"  read {stats.lines:,} lines ({stats.lines / max(seconds, 1e-9):,.0f} lines/s), {stats.events:,} "
             f"events for the range, {stats.quarantined:,} quarantined, {stats.duplicates:,} duplicate(s) dropped")
-        if reconcile_first and EngineState(spark, settings.checkpoint_dir(job.name)).latest_record() is not None:
-            from .reconcile import compare, record_results, stream_watermark
-
-            reconciliation = compare(spark, settings, job, result, stream_watermark(spark, settings, job), start, end)
-            record_results(spark, settings, reconciliation)
+        if reconciliation is not None:
             say(f"  the stream before the replace: {reconciliation.unexplained} unexplained difference(s)\n"
                 + reconciliation.table())
-        done = 0
-        for source, frame in result.quarantine.items():
-            done += 1
-            name = sinks.quarantine[source].table.name
-            if result.quarantined(source) == 0:  # (None: not counted apart, so written)
-                say(f"  [{done}/{tables}] {name}: nothing quarantined, left as it is")
-                continue
-            sinks.quarantine[source].insert_missing(frame, ("source_file", "raw_line"), props)
-            say(f"  [{done}/{tables}] {name}: quarantined lines added where missing")
-        late_column = late_time_column(job)
-        key = job.source.dedup_key
-        t = F.unix_millis(F.col(late_column))
-        late_rows = sinks.late.read().where((t >= lo) & (t < hi)).select(key, late_column).cache()
-        n_absorbed = 0
-        if late_rows.count():  # (the range's events are read again only when late rows could match them)
-            absorbed = late_rows.join(result.consumed, key, "left_semi").cache()
-            n_absorbed = absorbed.count()
-            if n_absorbed:
-                sinks.late.delete_keys(absorbed, (key, late_column), props)
-            absorbed.unpersist()
-        late_rows.unpersist()
-        done += 1
-        say(f"  [{done}/{tables}] {sinks.late.table.name}: {n_absorbed:,} late row(s) of the range removed "
-            "(the bounded result counts their events)")
-        sinks.main.replace_range(main, main_time_column(job), lo, hi, props)
-        main.unpersist()
-        done += 1
+        say(f"  [1/{tables}] {sinks.main.table.name}: {days}/{days} day partition(s) replaced, {rows:,} rows")
+        # The quarantine and late tables are independent commits: run side by side (each is a small
+        # job whose time is mostly planning and commit latency, which overlap).
+        steps = [lambda s=source, f=frame: _quarantine(sinks, result, s, f, props) for source, frame in result.quarantine.items()]
+        steps.append(lambda: _absorb_late(sinks, result, job, lo, hi, props))
+        with ThreadPoolExecutor(max_workers=len(steps), thread_name_prefix=f"backfill-{job.name}") as pool:
+            for done, line in enumerate(pool.map(lambda step: step(), steps), start=2):
+                say(f"  [{done}/{tables}] {line}")
         seconds = time.monotonic() - started
-        say(f"  [{done}/{tables}] {sinks.main.table.name}: {days}/{days} day partition(s) replaced, {rows:,} rows "
-            f"({stats.lines / max(seconds, 1e-9):,.0f} lines/s overall)")
+        say(f"  done in {seconds:.1f} s ({stats.lines / max(seconds, 1e-9):,.0f} lines/s overall)")
         stats = replace(stats, rows_written=rows)
     finally:
         result.release()
     return BackfillReport(job=job.name, start=start, end=end, stats=stats, seconds=time.monotonic() - started,
                           partitions=days, reconciliation=reconciliation)
+
+
+def _quarantine(sinks, result, source: str, frame, props) -> str:
+    name = sinks.quarantine[source].table.name
+    if result.quarantined(source) == 0:  # (None: not counted apart, so written)
+        return f"{name}: nothing quarantined, left as it is"
+    sinks.quarantine[source].insert_missing(frame, ("source_file", "raw_line"), props)
+    return f"{name}: quarantined lines added where missing"
+
+
+def _absorb_late(sinks, result, job: Job, lo: int, hi: int, props) -> str:
+    """Delete the range's late rows whose events the run consumed (the main table now counts them)."""
+    late_column, key = late_time_column(job), job.source.dedup_key
+    t = F.unix_millis(F.col(late_column))
+    late_rows = sinks.late.read().where((t >= lo) & (t < hi)).select(key, late_column).cache()
+    absorbed_n = 0
+    try:
+        if late_rows.count():  # (the range's events are read again only when late rows could match them)
+            absorbed = late_rows.join(result.consumed, key, "left_semi").cache()
+            absorbed_n = absorbed.count()
+            if absorbed_n:
+                sinks.late.delete_keys(absorbed, (key, late_column), props)
+            absorbed.unpersist()
+    finally:
+        late_rows.unpersist()
+    return f"{sinks.late.table.name}: {absorbed_n:,} late row(s) of the range removed (the bounded result counts their events)"

@@ -149,6 +149,34 @@ def parse_sources(job, raw: DataFrame) -> DataFrame:
     return parsed
 
 
+def transform_inputs(job, schema: T.StructType) -> set[str]:
+    """The columns of ``schema`` that ``job.transform`` reads or passes on: found by optimising the
+    transform over an empty frame Spark cannot see is empty (column pruning leaves what it needs)."""
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.getActiveSession()
+    out = job.transform(spark.createDataFrame(spark.sparkContext.emptyRDD(), schema))
+    names = set(out.columns)
+    nodes = [out._jdf.queryExecution().optimizedPlan()]  # noqa: SLF001
+    while nodes:
+        node = nodes.pop()
+        names.update(a.name() for a in _iterate(node.references().toSeq()))
+        nodes.extend(_iterate(node.children()))
+    return names & set(schema.names)
+
+
+def _iterate(seq):
+    it = seq.iterator()
+    while it.hasNext():
+        yield it.next()
+
+
+def _bounded_columns(job: WindowedJob, parsed: DataFrame) -> list[str]:
+    engine = {"source", "source_file", "_raw", "_reason", job.source.event_time, job.source.dedup_key, *job.keys}
+    needed = transform_inputs(job, parsed.schema) | engine
+    return [c for c in parsed.columns if c in needed]
+
+
 class Windows:
     """How a job's pieces combine: per window (tumbling, sliding) or per merged session."""
 
@@ -565,6 +593,8 @@ def plan_batch(
         cutoff = -(-watermark_in_ms // FILE_CUTOFF_MS) * FILE_CUTOFF_MS
         needs_file = needs_file | (F.unix_millis(F.col(job.source.event_time)) < F.lit(cutoff))
     parsed = parsed.withColumn("source_file", F.when(needs_file, F.col("source_file")))
+    if bounded:  # the lines are cached: keep only the fields the transform reads (a stream's late rows need all)
+        parsed = select(parsed, once("bounded columns", lambda: [F.col(c) for c in _bounded_columns(job, parsed)], job))
     return WindowedBatch(job=job, watermark_in_ms=watermark_in_ms, bounded=bounded, parsed=parsed, store=store,
                          event_range_ms=event_range_ms, batch_id=batch_id)
 
