@@ -35,7 +35,7 @@ from pyspark.sql import Column, DataFrame, Observation, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from .columns import group, once, select
+from .columns import as_param, group, once, param, select
 from .declaration import Agg, WindowedJob
 from .errors import DeclarationError
 from .landing import SOURCE
@@ -239,7 +239,6 @@ SMALL_BATCH_LINES = 100_000
 # their literals (the watermark, the batch's buckets) change every batch, so each batch compiled ~10
 # new classes (10-35 ms each, on the batch's own thread) that the JIT then compiled again.
 INTERPRETED_BATCH_LINES = 20_000
-FILE_CUTOFF_MS = 60_000
 _TYPES: dict[tuple, dict[str, T.DataType]] = {}
 _OBSERVATIONS = itertools.count()
 
@@ -357,7 +356,7 @@ class WindowedBatch:
             events = select(valid, added).dropDuplicates([key])
             remembered = self.store.ids(self._buckets) if self.store is not None and self._buckets != set() else None
             if remembered is not None:
-                live = remembered.where(F.col("_expires_ms") > F.lit(self.watermark_in_ms)).select("_h1", "_h2")
+                live = remembered.where(as_param(F.col("_expires_ms")) > param(self.watermark_in_ms)).select("_h1", "_h2")
                 events = events.join(live, ["_h1", "_h2"], "left_anti")
             if self.bounded:
                 # Read once, by the firing: counted on the way instead of cached (a million events cost
@@ -376,14 +375,14 @@ class WindowedBatch:
         """The ids this batch brings, with when they are forgotten: ``max(event time, W_in) + dedup_ttl``."""
         t, bucket, hashes = once("new ids", lambda: (
             F.col("event_time_ms"), bucket_of(F.col("event_time_ms")).alias("_b"), [F.col("_h1"), F.col("_h2")]))
-        expires = F.greatest(t, F.lit(self.watermark_in_ms)) + F.lit(self.ttl_ms)
+        expires = F.greatest(as_param(t), param(self.watermark_in_ms)).cast("long") + F.lit(self.ttl_ms)
         return self.events().select(bucket, *hashes, expires.alias("_expires_ms"))
 
     def _late_condition(self, we: Column | None = None) -> Column:
         if self.bounded:
             return F.lit(False)
         we = F.col(WE) if we is None else we
-        return we + F.lit(self.job.watermark.allowed_lateness_ms) <= F.lit(self.watermark_in_ms)
+        return as_param(we + F.lit(self.job.watermark.allowed_lateness_ms)) <= param(self.watermark_in_ms)
 
     def windowed(self) -> DataFrame:
         """Transformed events with their windows and a ``_late`` flag (one row per event and window)."""
@@ -474,13 +473,13 @@ class WindowedBatch:
         if lo + (-lo) % every > hi:  # no window starts there (starts are multiples of the slide): none due
             return Fired(store=store)
         store["pieces"] = pieces = self._cache(pieces)  # read by the store's write and by the firing, concurrently
-        in_range = (F.col(WS) >= F.lit(lo)) & (F.col(WS) <= F.lit(hi))
+        in_range = (as_param(F.col(WS)) >= param(lo)) & (as_param(F.col(WS)) <= param(hi))
         now = pieces.where(in_range).withColumn("_now", F.lit(True))
         earlier = self.store.in_range("pieces", lo, hi) if self.store is not None else None
         both = now if earlier is None else earlier.withColumn("_now", F.lit(False)).unionByName(now)
         passing = windows.passing()
         merged = windows.merge(both, [F.max("_now").alias("_now")])
-        first = F.col(WE) > F.lit(w_in)
+        first = as_param(F.col(WE)) > param(w_in)
         if not job.upserts:
             return Fired(rows=windows.sink_rows(merged.where(first & passing)), store=store)
         corrected = ~first & F.col("_now")
@@ -502,12 +501,12 @@ class WindowedBatch:
         earlier = self.store.every("pieces") if self.store is not None else None
         candidates = pieces.select(*keys)
         if earlier is not None:
-            closing = earlier.where((F.col(WE) > F.lit(w_in)) & (F.col(WE) <= F.lit(w_out)))
+            closing = earlier.where((as_param(F.col(WE)) > param(w_in)) & (as_param(F.col(WE)) <= param(w_out)))
             candidates = candidates.unionByName(closing.select(*keys))
             # their sessions before this batch, as pieces; those closed for good (end + L <= W_in) are gone
             before = windows.merge(earlier.join(candidates.distinct(), keys, "left_semi"))
-            pieces = before.where(F.col(WE) + F.lit(lateness) > F.lit(w_in)).unionByName(pieces)
-        sessions = windows.merge(pieces).where(F.col(WE) <= F.lit(w_out))
+            pieces = before.where(as_param(F.col(WE) + F.lit(lateness)) > param(w_in)).unionByName(pieces)
+        sessions = windows.merge(pieces).where(as_param(F.col(WE)) <= param(w_out))
         evals = self.latest_evals()
         if evals is None:
             judged = sessions.select("*", F.lit(False).alias("_unchanged"), F.array().cast("array<bigint>").alias("_in_sink"),
@@ -588,10 +587,7 @@ def plan_batch(
     # (An event is late only for a window that ended before W_in, so its event time is before W_in.)
     needs_file = F.col("_reason").isNotNull()
     if not bounded:
-        # W_in rounded up to the minute: a literal in this projection changes the code Spark generates for
-        # the whole parse, and a new literal every batch would recompile it every batch (~0.1 s of CPU).
-        cutoff = -(-watermark_in_ms // FILE_CUTOFF_MS) * FILE_CUTOFF_MS
-        needs_file = needs_file | (F.unix_millis(F.col(job.source.event_time)) < F.lit(cutoff))
+        needs_file = needs_file | (as_param(F.unix_millis(F.col(job.source.event_time))) < param(watermark_in_ms))
     parsed = parsed.withColumn("source_file", F.when(needs_file, F.col("source_file")))
     if bounded:  # the lines are cached: keep only the fields the transform reads (a stream's late rows need all)
         parsed = select(parsed, once("bounded columns", lambda: [F.col(c) for c in _bounded_columns(job, parsed)], job))
@@ -642,11 +638,11 @@ def compact(job: WindowedJob, store: Store, batch_id: int, watermark_ms: int, ty
     lateness = job.watermark.allowed_lateness_ms
     merged: dict[str, DataFrame] = {}
     if "ids" in due:
-        merged["ids"] = store._read("ids", due["ids"]).where(F.col("_expires_ms") > F.lit(watermark_ms))  # noqa: SLF001
+        merged["ids"] = store._read("ids", due["ids"]).where(as_param(F.col("_expires_ms")) > param(watermark_ms))  # noqa: SLF001
     if "pieces" in due:
         windows = Windows(job, types)
         open_windows = windows.merge(store._read("pieces", due["pieces"]))  # noqa: SLF001
-        open_windows = open_windows.where(F.col(WE) + F.lit(lateness) > F.lit(watermark_ms))
+        open_windows = open_windows.where(as_param(F.col(WE) + F.lit(lateness)) > param(watermark_ms))
         merged["pieces"] = open_windows
         if "evals" in due:
             latest = Window.partitionBy(*job.keys, WS).orderBy(F.col("_batch").desc())

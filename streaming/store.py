@@ -33,7 +33,7 @@ from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from .columns import once, select
+from .columns import as_param, one_of, once, param, select
 from .layout import Layout
 
 _WRITES = itertools.count()
@@ -121,20 +121,20 @@ class Store:
             wanted = {b * BUCKET_MS // width for b in buckets}  # (floor(floor(t / 1 s) / 60) = floor(t / 1 min))
             frame = self._read("ids", [f for f in files if f.bucket_ms == width and wanted.intersection(f.buckets)])
             if frame is not None:
-                frames.append(frame.where(F.col("_b").isin(sorted(wanted))))
+                frames.append(frame.where(one_of(F.col("_b"), sorted(wanted))))
         return reduce(DataFrame.unionAll, frames) if frames else None
 
     def in_range(self, kind: str, lo_ms: int, hi_ms: int) -> DataFrame | None:
         """Rows of ``kind`` whose window starts in ``[lo_ms, hi_ms]``."""
         files = [f for f in self.manifest.of_kind(kind) if f.lo <= hi_ms and f.hi >= lo_ms]
         frame = self._read(kind, files)
-        return None if frame is None else frame.where((F.col("ws") >= lo_ms) & (F.col("ws") <= hi_ms))
+        return None if frame is None else frame.where((as_param(F.col("ws")) >= param(lo_ms)) & (as_param(F.col("ws")) <= param(hi_ms)))
 
     def ending_in(self, kind: str, lo_ms: int, hi_ms: int) -> DataFrame | None:
         """Rows of ``kind`` whose window ends in ``(lo_ms, hi_ms]``."""
         files = [f for f in self.manifest.of_kind(kind) if f.expires_ms > lo_ms and f.lo <= hi_ms]
         frame = self._read(kind, files)
-        return None if frame is None else frame.where((F.col("we") > lo_ms) & (F.col("we") <= hi_ms))
+        return None if frame is None else frame.where((as_param(F.col("we")) > param(lo_ms)) & (as_param(F.col("we")) <= param(hi_ms)))
 
     def every(self, kind: str) -> DataFrame | None:
         return self._read(kind, self.manifest.of_kind(kind))
