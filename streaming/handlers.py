@@ -329,6 +329,7 @@ class KeyedHandler(_Handler):
         self._start(spark)
         job = self.job
         previous = self.previous(batch_id)
+        partitions = spark.conf.get("spark.sql.shuffle.partitions")
         frame = frame.persist(StorageLevel.MEMORY_AND_DISK)
         try:
             row = frame.agg(
@@ -347,6 +348,10 @@ class KeyedHandler(_Handler):
                   for s in job.sources],
             ).first()
             t = timed("state function", t)
+            if row["inputs"] + row["bad"] <= SMALL_BATCH_LINES:
+                # The state function's plan is fixed (Spark planned it with the checkpoint's partitions); what
+                # follows splits a small output by table and shuffles it for each table's layout: one partition.
+                spark.conf.set("spark.sql.shuffle.partitions", "1")
             watermark_in = watermark_of(previous) if row["wm"] is None else int(row["wm"])
             max_t = row["max_t"]
             watermark_out = watermark_in if max_t is None else max(watermark_in, max_t - job.watermark.out_of_orderness_ms)
@@ -365,5 +370,6 @@ class KeyedHandler(_Handler):
             self.finish(batch_id, stats, previous, tables, started, key_buckets=self.key_buckets)
             timed("save record", t)
         finally:
+            spark.conf.set("spark.sql.shuffle.partitions", partitions)
             frame.unpersist()
 
