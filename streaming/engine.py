@@ -236,8 +236,9 @@ class Fired:
 # and the handler), since per-plan overhead, not data, decides its time.
 SMALL_BATCH_LINES = 100_000
 # Below this many lines a batch's plans after the statistics run interpreted, without generated code:
-# their literals (the watermark, the batch's buckets) change every batch, so each batch compiled ~10
-# new classes (10-35 ms each, on the batch's own thread) that the JIT then compiled again.
+# measured when their literals (the watermark, the batch's buckets) were still written into the code,
+# so each batch compiled ~10 new classes (10-35 ms each, on the batch's own thread) that the JIT then
+# compiled again. Those values are parameters now (``columns.param``); not re-measured since.
 INTERPRETED_BATCH_LINES = 20_000
 _TYPES: dict[tuple, dict[str, T.DataType]] = {}
 _OBSERVATIONS = itertools.count()

@@ -192,15 +192,25 @@ class _Handler:
             self.progress(report.last)
 
 
+# Settings a small batch's own plans run with (after the plan Spark made for the batch), put back when
+# the batch ends: Spark records the stream's shuffle partitions in its offset log.
+_ONE_PARTITION = {"spark.sql.shuffle.partitions": "1"}
 _INTERPRETED = {"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
 
 
-def _interpreted(spark) -> dict[str, str | None]:
-    """Run the session's next plans without generated code; returns the settings to restore."""
-    before = {key: spark.conf.get(key, None) for key in _INTERPRETED}
-    for key, value in _INTERPRETED.items():
+def _override(spark, settings: dict[str, str], before: dict[str, str | None]) -> None:
+    """Set ``settings`` in the session, remembering in ``before`` what to put back (see :func:`_restore`)."""
+    for key, value in settings.items():
+        before.setdefault(key, spark.conf.get(key, None))
         spark.conf.set(key, value)
-    return before
+
+
+def _restore(spark, before: dict[str, str | None]) -> None:
+    for key, value in before.items():
+        if value is None:
+            spark.conf.unset(key)
+        else:
+            spark.conf.set(key, value)
 
 
 class WindowedHandler(_Handler):
@@ -225,7 +235,6 @@ class WindowedHandler(_Handler):
                        "org.apache.spark.sql.execution.adaptive.AQEPropagateEmptyRelation")
         self._start(spark)
         self._fault("batch-start", batch_id)
-        partitions = spark.conf.get("spark.sql.shuffle.partitions")
         job = self.job
         previous = self.previous(batch_id)
         w_in = watermark_of(previous)
@@ -233,7 +242,7 @@ class WindowedHandler(_Handler):
         batch = plan_batch(job, raw, watermark_in_ms=w_in, store=store, batch_id=batch_id)
         rows = stored = quarantined = None
         compaction = None
-        restore: dict[str, str | None] = {}
+        before: dict[str, str | None] = {}
         try:
             due = compaction_due(job, store, w_in)
             if due:  # merging the store's small files reads only what earlier batches wrote: alongside this batch
@@ -243,11 +252,10 @@ class WindowedHandler(_Handler):
             stats = batch.stats()
             w_out = batch.next_watermark()
             if stats.lines <= SMALL_BATCH_LINES:
-                # A small batch's time is per-plan overhead: one shuffle partition, no re-planning per stage
-                # (restored below: Spark records the stream's partitions in its offset log).
-                spark.conf.set("spark.sql.shuffle.partitions", "1")
+                # A small batch's time is per-plan overhead: one shuffle partition, no re-planning per stage.
+                _override(spark, _ONE_PARTITION, before)
                 if stats.lines <= INTERPRETED_BATCH_LINES:
-                    restore = _interpreted(spark)
+                    _override(spark, _INTERPRETED, before)
             else:
                 # foreachBatch runs in the stream's session clone, where Spark turns AQE off for the sake of
                 # stateful operators. A windowed job's stream has none, so adaptive execution is safe here.
@@ -299,12 +307,7 @@ class WindowedHandler(_Handler):
             for strand in (quarantined, stored, compaction):  # a failure elsewhere: let the others end first
                 if strand is not None:
                     strand.exception()
-            spark.conf.set("spark.sql.shuffle.partitions", partitions)
-            for key, value in restore.items():
-                if value is None:
-                    spark.conf.unset(key)
-                else:
-                    spark.conf.set(key, value)
+            _restore(spark, before)
             if rows is not None:
                 rows.unpersist()
             batch.release()
@@ -329,7 +332,7 @@ class KeyedHandler(_Handler):
         self._start(spark)
         job = self.job
         previous = self.previous(batch_id)
-        partitions = spark.conf.get("spark.sql.shuffle.partitions")
+        before: dict[str, str | None] = {}
         frame = frame.persist(StorageLevel.MEMORY_AND_DISK)
         try:
             row = frame.agg(
@@ -351,7 +354,7 @@ class KeyedHandler(_Handler):
             if row["inputs"] + row["bad"] <= SMALL_BATCH_LINES:
                 # The state function's plan is fixed (Spark planned it with the checkpoint's partitions); what
                 # follows splits a small output by table and shuffles it for each table's layout: one partition.
-                spark.conf.set("spark.sql.shuffle.partitions", "1")
+                _override(spark, _ONE_PARTITION, before)
             watermark_in = watermark_of(previous) if row["wm"] is None else int(row["wm"])
             max_t = row["max_t"]
             watermark_out = watermark_in if max_t is None else max(watermark_in, max_t - job.watermark.out_of_orderness_ms)
@@ -370,6 +373,6 @@ class KeyedHandler(_Handler):
             self.finish(batch_id, stats, previous, tables, started, key_buckets=self.key_buckets)
             timed("save record", t)
         finally:
-            spark.conf.set("spark.sql.shuffle.partitions", partitions)
+            _restore(spark, before)
             frame.unpersist()
 
