@@ -129,6 +129,11 @@ def spark_conf(settings: Settings) -> dict[str, str]:
         "spark.sql.parquet.compression.codec": "zstd",
         # Micro-batches are cached once and read twice: compressing that cache cost 4 s per 540k lines.
         "spark.sql.inMemoryColumnarStorage.compressed": "false",
+        # Every micro-batch re-derives the constraints of its plan (ForeachBatchSink wraps the batch in a
+        # LogicalRDD, which copies them); over the validation's CASE expressions that was ~0.25 s of driver
+        # time per keyed batch. The constraints only feed filter inference, which these plans do not need:
+        # A/B on 2026-11-25, keyed latency run 1.80 -> 1.55 s per batch, 1M-line throughput 0.67x -> 0.81x.
+        "spark.sql.constraintPropagation.enabled": "false",
     }
     if "://" not in settings.checkpoints or settings.checkpoints.startswith("file:"):
         # On local disk, Spark's default (FileContext) log writer forks `readlink` for every rename and
