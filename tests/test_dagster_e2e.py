@@ -376,16 +376,28 @@ def test_the_ui_shows_the_lineage_from_landing_through_the_job_to_a_dbt_mart(ser
     base = f"http://127.0.0.1:{servers.port}/assets"
     page = browser.new_page()
 
-    def upstream_of(path: str) -> tuple[list[str], str]:
+    def upstream_of(path: str, drawn) -> tuple[list[str], str]:
+        """The asset links and text of ``path``'s upstream lineage once ``drawn(links, text)`` holds: the graph is
+        laid out after the page goes idle, which took more than 2 s on a loaded 2-core machine (up to 60 s)."""
         _open(page, f"{base}/{path}?view=lineage&lineageScope=upstream&lineageDepth=1")
         page.wait_for_selector("text=Lineage", timeout=60_000)
-        page.wait_for_timeout(2000)
-        links = page.eval_on_selector_all("a[href*='/assets/']", "els => els.map(e => e.getAttribute('href'))")
-        return links, page.inner_text("body")
+        deadline = time.monotonic() + 60
+        while True:
+            links = page.eval_on_selector_all("a[href*='/assets/']", "els => els.map(e => e.getAttribute('href'))")
+            text = page.inner_text("body")
+            if drawn(links, text) or time.monotonic() > deadline:
+                page.screenshot(path=str(ARTIFACTS / f"lineage-{path.replace('/', '-')}.png"))
+                return links, text
+            page.wait_for_timeout(1000)
 
-    links, _ = upstream_of("lake/marts/user_daily_activity")  # the dbt mart ...
-    assert any(link.startswith("/assets/lake/payments/purchase_metrics") for link in links)  # ... reads the job's table
-    links, text = upstream_of("lake/payments/purchase_metrics")  # which reads the landing zone and the stream
-    page.screenshot(path=str(ARTIFACTS / "lineage.png"))
-    page.close()
-    assert "landing" in text and "payments" in text and "json" in text and "streams" in text
+    def reads_the_table(links, _text):
+        return any(link.startswith("/assets/lake/payments/purchase_metrics") for link in links)
+
+    def reads_landing_and_stream(_links, text):
+        return all(word in text for word in ("landing", "payments", "json", "streams"))
+
+    links, _ = upstream_of("lake/marts/user_daily_activity", reads_the_table)  # the dbt mart ...
+    assert reads_the_table(links, ""), links  # ... reads the job's table
+    links, text = upstream_of("lake/payments/purchase_metrics", reads_landing_and_stream)  # ... which reads the
+    page.close()  # landing zone and the stream
+    assert reads_landing_and_stream(links, text), text[:2000]
