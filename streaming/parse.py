@@ -106,7 +106,11 @@ def parse(raw: DataFrame, source: Source) -> DataFrame:
     if source.format == "csv" and source.header:  # a header line names the fields: not a record, skipped
         is_header = [F.col(f.name) == F.lit(f.name) for f in source.fields]
         parsed = parsed.where(~F.coalesce(reduce(lambda a, b: a & b, is_header), F.lit(False)))
-    return select(select(parsed, typed), last)
+    # The result comes out of a Generate (``inline`` of a one-element array: one row out per line), so a
+    # filter on it (valid rows, quarantined rows) cannot be pushed below the parse. Pushed through the
+    # projections, Spark inlined ``from_json`` and the reason into the filter, parsed every line again,
+    # interpreted (measured: the valid rows of 200k lines in 1.3 s instead of 0.7 s).
+    return select(select(parsed, typed), last).select(F.inline(F.array(F.struct("*"))))
 
 
 def _build(source: Source, columns: list[str]) -> tuple[list[Column], ...]:
