@@ -109,7 +109,7 @@ class DeltaRsSink:
         recorded = self._dt().transaction_version(commit.app_id)
         return recorded is not None and recorded >= commit.version
 
-    def append(self, frame: DataFrame, commit: Commit, *, may_exist: bool = True) -> bool:
+    def append(self, frame: DataFrame, commit: Commit, *, may_exist: bool = True, rows: int | None = None) -> bool:
         from deltalake import write_deltalake
 
         if may_exist and self.is_committed(commit):
@@ -217,7 +217,7 @@ class DeltaSparkSink(DeltaRsSink):
     large outputs never pass through the driver; merges and versions stay with delta-rs.
     Needs delta-spark's jars on the classpath (not exercised here: they come only from Maven)."""
 
-    def append(self, frame: DataFrame, commit: Commit, *, may_exist: bool = True) -> bool:
+    def append(self, frame: DataFrame, commit: Commit, *, may_exist: bool = True, rows: int | None = None) -> bool:
         if may_exist and self.is_committed(commit):
             return False
         writer = (frame.write.format("delta").mode("append").option("txnAppId", commit.app_id)
