@@ -112,7 +112,7 @@ def _keyed(spark, job: KeyedJob, raw: DataFrame, lo: int, hi: int, say, started:
     parsed = parsed.where(F.col("_reason").isNotNull() | ((t_ms >= first) & (t_ms < hi)))
     frame = bounded_frame(job, parsed).cache()
     row = frame.agg(
-        F.count(F.when(F.col("_kind") == "q", 1)).alias("bad"),
+        F.coalesce(F.sum(F.when(F.col("_kind") == "q", F.col("_q_n"))), F.lit(0)).alias("bad"),
         F.coalesce(F.sum("_s_in"), F.lit(0)).alias("inputs"),
         F.coalesce(F.sum("_s_dup"), F.lit(0)).alias("dups"),
         F.max("_s_max_t").alias("max_t"),

@@ -87,7 +87,7 @@ class Output:
     """A batch's rows for one table, with their count (and time range) known before writing."""
 
     sink: Sink
-    frame: DataFrame
+    frame: DataFrame | None  # (None: no rows)
     rows: int
     deleted: int = 0
     first_ms: int | None = None
@@ -156,7 +156,7 @@ class _Handler:
             if o.upsert_keys:
                 o.sink.upsert(o.frame, o.upsert_keys, commit, may_exist=replay)
             else:
-                o.sink.append(o.frame, commit, may_exist=replay)
+                o.sink.append(o.frame, commit, may_exist=replay, rows=o.rows)
             self._fault(f"committed:{o.sink.table.name}", commit.version)
 
         if len(todo) > 1:
@@ -318,10 +318,35 @@ class KeyedHandler(_Handler):
 
     job: KeyedJob
 
-    def __init__(self, *args, main_schema, key_buckets: int, **kwargs):
+    def __init__(self, *args, main_schema, key_buckets: int, bucket_labels: tuple[int, ...] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.main_schema = main_schema
         self.key_buckets = key_buckets
+        self.bucket_labels = bucket_labels
+        self._statistics: list | None = None
+
+    def statistics(self) -> list:
+        """The batch's counts and time ranges, in the job that runs the state function (built once: each
+        column is a few calls into the JVM)."""
+        if self._statistics is None:
+            job = self.job
+            self._statistics = [
+                F.count(F.when(F.col("_kind") == "out", 1)).alias("out"),
+                F.count(F.when(F.col("_kind") == "late", 1)).alias("late"),
+                F.coalesce(F.sum(F.when(F.col("_kind") == "q", F.col("_q_n"))), F.lit(0)).alias("bad"),
+                F.coalesce(F.sum("_s_in"), F.lit(0)).alias("inputs"),
+                F.coalesce(F.sum("_s_dup"), F.lit(0)).alias("dups"),
+                F.max("_s_max_t").alias("max_t"),
+                F.max("_s_wm").alias("wm"),
+                F.min(F.when(F.col("_kind") == "out", F.unix_millis(F.col(f"_o_{job.time_column}")))).alias("out_lo"),
+                F.max(F.when(F.col("_kind") == "out", F.unix_millis(F.col(f"_o_{job.time_column}")))).alias("out_hi"),
+                F.min(F.when(F.col("_kind") == "late", F.col("_l_t"))).alias("late_lo"),
+                F.max(F.when(F.col("_kind") == "late", F.col("_l_t"))).alias("late_hi"),
+                *[F.coalesce(F.sum(F.when((F.col("_kind") == "q") & (F.col("_q_src") == s.name), F.col("_q_n"))), F.lit(0))
+                  .alias(f"q_{s.name}")
+                  for s in job.sources],
+            ]
+        return self._statistics
 
     def __call__(self, frame: DataFrame, batch_id: int) -> None:
         from .keyed.spark import split
@@ -335,21 +360,7 @@ class KeyedHandler(_Handler):
         before: dict[str, str | None] = {}
         frame = frame.persist(StorageLevel.MEMORY_AND_DISK)
         try:
-            row = frame.agg(
-                F.count(F.when(F.col("_kind") == "out", 1)).alias("out"),
-                F.count(F.when(F.col("_kind") == "late", 1)).alias("late"),
-                F.count(F.when(F.col("_kind") == "q", 1)).alias("bad"),
-                F.coalesce(F.sum("_s_in"), F.lit(0)).alias("inputs"),
-                F.coalesce(F.sum("_s_dup"), F.lit(0)).alias("dups"),
-                F.max("_s_max_t").alias("max_t"),
-                F.max("_s_wm").alias("wm"),
-                F.min(F.when(F.col("_kind") == "out", F.unix_millis(F.col(f"_o_{job.time_column}")))).alias("out_lo"),
-                F.max(F.when(F.col("_kind") == "out", F.unix_millis(F.col(f"_o_{job.time_column}")))).alias("out_hi"),
-                F.min(F.when(F.col("_kind") == "late", F.col("_l_t"))).alias("late_lo"),
-                F.max(F.when(F.col("_kind") == "late", F.col("_l_t"))).alias("late_hi"),
-                *[F.count(F.when((F.col("_kind") == "q") & (F.col("_q_src") == s.name), 1)).alias(f"q_{s.name}")
-                  for s in job.sources],
-            ).first()
+            row = frame.agg(*self.statistics()).first()
             t = timed("state function", t)
             if row["inputs"] + row["bad"] <= SMALL_BATCH_LINES:
                 # The state function's plan is fixed (Spark planned it with the checkpoint's partitions); what
@@ -359,10 +370,15 @@ class KeyedHandler(_Handler):
             max_t = row["max_t"]
             watermark_out = watermark_in if max_t is None else max(watermark_in, max_t - job.watermark.out_of_orderness_ms)
             parts = split(job, frame, self.main_schema, watermark_in)
-            outputs = [Output(self.sinks.quarantine[s.name], parts[f"quarantine:{s.name}"], row[f"q_{s.name}"])
-                       for s in job.sources]
-            outputs.append(Output(self.sinks.late, parts["late"], row["late"], 0, row["late_lo"], row["late_hi"]))
-            outputs.append(Output(self.sinks.main, parts["main"], row["out"], 0, row["out_lo"], row["out_hi"]))
+
+            def part(name: str, rows: int) -> DataFrame | None:  # (a table without rows gets no commit)
+                return parts[name] if rows else None
+
+            outputs = [Output(self.sinks.quarantine[s.name], part(f"quarantine:{s.name}", row[f"q_{s.name}"]),
+                              row[f"q_{s.name}"]) for s in job.sources]
+            outputs.append(Output(self.sinks.late, part("late", row["late"]), row["late"], 0, row["late_lo"],
+                                  row["late_hi"]))
+            outputs.append(Output(self.sinks.main, part("main", row["out"]), row["out"], 0, row["out_lo"], row["out_hi"]))
             tables = self.write(outputs, self.commit(batch_id, watermark_out), batch_id)
             t = timed("commits", t)
             stats = BatchStats(
@@ -370,7 +386,8 @@ class KeyedHandler(_Handler):
                 duplicates=row["dups"], late=row["late"], rows_written=row["out"], max_event_time_ms=max_t,
                 watermark_in_ms=watermark_in, watermark_out_ms=watermark_out,
             )
-            self.finish(batch_id, stats, previous, tables, started, key_buckets=self.key_buckets)
+            self.finish(batch_id, stats, previous, tables, started, key_buckets=self.key_buckets,
+                        bucket_labels=self.bucket_labels)
             timed("save record", t)
         finally:
             _restore(spark, before)

@@ -124,14 +124,15 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
     report = StreamReport(job=job.name)
     if isinstance(job, KeyedJob):
         from .engine import parse_sources
-        from .keyed.spark import key_buckets, stream_frame
+        from .keyed.spark import bucket_labels, key_buckets, stream_frame
         from .state import EngineState
 
         record = EngineState(spark, checkpoint).latest_record() if resuming else None
         buckets = key_buckets(record.key_buckets if record else None, record is not None, partitions)
-        stream = stream_frame(job, parse_sources(job, raw), buckets)
+        labels = bucket_labels(spark, record, buckets, partitions)
+        stream = stream_frame(job, parse_sources(job, raw), buckets, labels)
         handler = KeyedHandler(job, checkpoint, sinks, progress, report, fault, main_schema=sinks.schemas["main"],
-                               key_buckets=buckets)
+                               key_buckets=buckets, bucket_labels=labels)
     else:
         from .tables import store_schemas
 

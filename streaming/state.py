@@ -38,6 +38,7 @@ class BatchRecord:
     removed: tuple[str, ...] = ()  # store files this batch dropped (deleted once the next batch is recorded)
     state_rows: dict | None = None  # what the stream remembers after the batch (ids, open window pieces, keys)
     key_buckets: int | None = None  # keyed streams: how many groups the keys are bucketed in (fixed per checkpoint)
+    bucket_labels: tuple[int, ...] | None = None  # keyed streams: each bucket's grouping value (None: the bucket number)
     format: int = FORMAT
 
     @property
@@ -52,6 +53,8 @@ class BatchRecord:
         }
         if self.key_buckets is not None:
             data["key_buckets"] = self.key_buckets
+        if self.bucket_labels is not None:
+            data["bucket_labels"] = list(self.bucket_labels)
         return json.dumps(data, indent=1)
 
 
@@ -68,7 +71,9 @@ def parse_record(text: str, path: str) -> BatchRecord:
             batch_id=data["batch_id"], stats=BatchStats(**data["stats"]), totals=BatchStats(**data["totals"]),
             job_fingerprint=data["job_fingerprint"], job_shape=data.get("job_shape"),
             store=Manifest.from_json(data.get("store")), removed=tuple(data.get("removed") or ()),
-            state_rows=data.get("state_rows"), key_buckets=data.get("key_buckets"), format=data["format"],
+            state_rows=data.get("state_rows"), key_buckets=data.get("key_buckets"),
+            bucket_labels=tuple(data["bucket_labels"]) if data.get("bucket_labels") is not None else None,
+            format=data["format"],
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointCorruptError(

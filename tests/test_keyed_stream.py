@@ -115,12 +115,14 @@ def test_a_checkpoint_of_the_earlier_layout_resumes_with_its_64_key_buckets(spar
     write_batches(landing, [[p(1, 0, "u1"), p(2, 30 * SEC, "u2")], [p(3, 1 * MIN, "u1"), p(4, 5 * MIN, "u3")],
                             [p(5, 10 * MIN, "u3")]])
     monkeypatch.setattr(keyed_spark, "BUCKETS_PER_PARTITION", 64 // partitions)  # as the earlier version did
+    monkeypatch.setattr(keyed_spark, "bucket_labels", lambda *args: None)  # (buckets grouped by their number)
     run(spark, lake, job, available_now=True)
     monkeypatch.undo()
     records = Path(Layout(lake.checkpoint_dir(job.name)).batches)
-    for path in records.glob("*.json"):  # the earlier version's records: no bucket count
+    for path in records.glob("*.json"):  # the earlier version's records: no bucket count, no labels
         data = json.loads(path.read_text())
         assert data.pop("key_buckets") == 64
+        assert "bucket_labels" not in data
         path.write_text(json.dumps(data))
     # u3@14:00 counts the payments of 05:00 and 10:00 (kept 6 min) from before the restart: its timer's
     # row says 3, or 1 if its state was not found; u1@40:00 moves the watermark past that timer
@@ -131,6 +133,24 @@ def test_a_checkpoint_of_the_earlier_layout_resumes_with_its_64_key_buckets(spar
     assert rows == [("u3", 1), ("u3", 2), ("u3", 3)]
     latest = json.loads(max(records.glob("*.json"), key=lambda f: int(f.stem)).read_text())
     assert latest["key_buckets"] == 64
+    assert "bucket_labels" not in latest  # the earlier grouping is kept for the checkpoint's life
+
+
+def test_a_new_keyed_stream_spreads_its_buckets_evenly_over_the_shuffle_partitions(spark):
+    """Bucket numbers 0..15 hash 3, 3, 4 and 6 to four partitions; a new stream's bucket labels put the
+    same number in each (checked with Spark's own hash partitioning, as the state function's shuffle does)."""
+    from streaming.keyed import spark as keyed_spark
+
+    for partitions in (2, 4, 3):
+        buckets = keyed_spark.BUCKETS_PER_PARTITION * partitions
+        labels = keyed_spark.bucket_labels(spark, None, buckets, partitions)
+        assert len(set(labels)) == buckets
+        frame = spark.createDataFrame([(i, v) for i, v in enumerate(labels)], "i int, v int")
+        placed = frame.repartition(partitions, "v").select("i", F.spark_partition_id().alias("p")).collect()
+        per_partition = {}
+        for row in placed:
+            per_partition.setdefault(row.p, []).append(row.i)
+        assert sorted(len(v) for v in per_partition.values()) == [keyed_spark.BUCKETS_PER_PARTITION] * partitions
 
 
 def test_ttl_and_fired_timers_leave_no_state_behind(spark, lake):

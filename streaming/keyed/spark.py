@@ -17,12 +17,13 @@ dropping it silently.
 
 from __future__ import annotations
 
+import gc
 import json
 import pickle
 import time
 import warnings
 import zipimport
-from datetime import date, datetime, timezone
+from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Iterator
 
@@ -46,6 +47,27 @@ BUCKET = "_bucket"
 LEGACY_KEY_BUCKETS = 64  # checkpoints written before the count was recorded
 BUCKETS_PER_PARTITION = 4
 BOUNDED_KEY_BUCKETS = 64  # the bounded twin: no state to keep, many groups to spread a large input
+
+
+def bucket_labels(spark, record, buckets: int, shuffle_partitions: int) -> tuple[int, ...] | None:
+    """The grouping value of each bucket, fixed per checkpoint like the count (None: the bucket's number,
+    as checkpoints written before labels were recorded have it).
+
+    Spark sends a group to shuffle partition ``pmod(hash(value), partitions)``. Bucket numbers 0..15 land
+    3, 3, 4 and 6 to a partition of 4, and the fullest partition's task set the pace of every batch (on
+    2 cores: 9 buckets' time instead of 8, with the last task alone). A new stream gives bucket ``i`` a
+    value that Spark sends to partition ``i % partitions``: every task gets the same number of buckets."""
+    if record is not None:
+        return record.bucket_labels
+    rows = spark.range(0, 64 * buckets).selectExpr(
+        "cast(id as int) as v", f"pmod(hash(cast(id as int)), {shuffle_partitions}) as p").collect()
+    free: dict[int, list[int]] = {}
+    for row in rows:
+        free.setdefault(row.p, []).append(row.v)
+    try:
+        return tuple(free[i % shuffle_partitions][i // shuffle_partitions] for i in range(buckets))
+    except (KeyError, IndexError):  # (not expected: values spread evenly) keep the bucket numbers
+        return None
 
 
 def key_buckets(record_buckets: int | None, has_record: bool, shuffle_partitions: int) -> int:
@@ -72,6 +94,17 @@ def _keep_directory(self) -> None:
     return None
 
 
+def _freeze_heap() -> None:
+    """Once per Python worker: move what the worker has loaded (pyspark, pandas, pyarrow, the job) out
+    of the garbage collector's sight. PySpark's worker runs a full ``gc.collect()`` after every task, and
+    each one walked that whole heap: 40 % of the Python workers' samples in a keyed latency run. Frozen
+    objects are still freed when their last reference goes; only cycles among them would stay."""
+    if getattr(gc, "_lakestream_frozen", False):
+        return
+    gc.freeze()
+    gc._lakestream_frozen = True
+
+
 def _transformed(job: KeyedJob, parsed: DataFrame, *, watermark: bool) -> DataFrame:
     valid = parsed.where(F.col("_reason").isNull()).drop("_raw", "_reason")
     if watermark:
@@ -91,8 +124,11 @@ def main_schema(job: KeyedJob) -> T.StructType:
     return T._parse_datatype_string(job.output)  # noqa: SLF001 - Spark's own DDL parser
 
 
-def _bucket(job: KeyedJob, buckets: int) -> F.Column:
-    return F.pmod(F.xxhash64(*[F.col(k) for k in job.keys]), F.lit(buckets)).cast("int")
+def _bucket(job: KeyedJob, buckets: int, labels: tuple[int, ...] | None = None) -> F.Column:
+    number = F.pmod(F.xxhash64(*[F.col(k) for k in job.keys]), F.lit(buckets)).cast("int")
+    if labels is None:
+        return number
+    return F.element_at(F.array(*[F.lit(v) for v in labels]), number + 1)
 
 
 # The runtime's side outputs (late elements, quarantined lines, statistics) cross from Python to the JVM
@@ -101,6 +137,7 @@ def _bucket(job: KeyedJob, buckets: int) -> F.Column:
 _SIDE = (
     ("_l_t", T.LongType()), ("_l_id", T.StringType()), ("_l_event", T.StringType()),
     ("_q_src", T.StringType()), ("_q_file", T.StringType()), ("_q_raw", T.StringType()), ("_q_reason", T.StringType()),
+    ("_q_n", T.LongType()),
     ("_s_in", T.LongType()), ("_s_dup", T.LongType()), ("_s_max_t", T.LongType()), ("_s_wm", T.LongType()),
 )
 _SIDE_NAMES = frozenset(n for n, _ in _SIDE)
@@ -125,18 +162,20 @@ def _valid_utf8(text: F.Column) -> F.Column:
     return F.decode(F.encode(text, "UTF-8"), "UTF-8")
 
 
-def _inputs(job: KeyedJob, parsed: DataFrame, *, stream: bool, buckets: int) -> tuple[DataFrame, T.StructType]:
+def _inputs(job: KeyedJob, parsed: DataFrame, *, stream: bool, buckets: int,
+            labels: tuple[int, ...] | None = None) -> tuple[DataFrame, T.StructType]:
     """Valid transformed events and invalid lines as one frame keyed by ``job.keys``."""
     events = _transformed(job, parsed, watermark=stream)
     payload = events.schema
     t_ms = F.unix_millis(F.col(job.source.event_time))
     cols = [
-        _bucket(job, buckets).alias(BUCKET),
+        _bucket(job, buckets, labels).alias(BUCKET),
         *[F.col(k) for k in job.keys],
         t_ms.alias("_t"),
         F.col(job.source.dedup_key).cast("string").alias("_id"),
         # Explicit metadata replaces the watermark marker the event-time column carries.
-        *[F.col(c).alias(PAYLOAD + c, metadata={"lakestream": "payload"}) for c in payload.names],
+        *[_encoded(F.col(c), payload[c].dataType).alias(PAYLOAD + c, metadata={"lakestream": "payload"})
+          for c in payload.names],
         F.lit(None).cast("string").alias("_raw"), F.lit(None).cast("string").alias("_reason"),
         F.lit(None).cast("string").alias("_src"), F.lit(None).cast("string").alias("_file"),
     ]
@@ -144,7 +183,7 @@ def _inputs(job: KeyedJob, parsed: DataFrame, *, stream: bool, buckets: int) -> 
         F.lit(None).cast("int").alias(BUCKET),
         *[F.lit(None).cast(payload[k].dataType).alias(k) for k in job.keys],
         F.lit(None).cast("long").alias("_t"), F.lit(None).cast("string").alias("_id"),
-        *[F.lit(None).cast(f.dataType).alias(PAYLOAD + f.name) for f in payload.fields],
+        *[F.lit(None).cast(_wire_type(f.dataType)).alias(PAYLOAD + f.name) for f in payload.fields],
         # A line's bytes need not be UTF-8; Arrow refuses such text on its way to Python. Re-encoding turns
         # every undecodable byte into U+FFFD (the quarantine keeps the line, readably).
         _valid_utf8(F.col("_raw")).alias("_raw"), _valid_utf8(F.col("_reason")).alias("_reason"),
@@ -158,12 +197,66 @@ def _inputs(job: KeyedJob, parsed: DataFrame, *, stream: bool, buckets: int) -> 
     return events.select(*cols).unionByName(bad), payload
 
 
+# Payload columns cross to Python in a compact form that pickles fast while an element waits in a key's
+# state for the watermark (a timestamp as microseconds, a decimal as its text); the runtime decodes each
+# element once, when it is delivered to the function.
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def _wire_type(dtype: T.DataType) -> T.DataType:
+    if isinstance(dtype, T.TimestampType):
+        return T.LongType()
+    if isinstance(dtype, T.DecimalType):
+        return T.StringType()
+    return dtype
+
+
+def _encoded(column: F.Column, dtype: T.DataType) -> F.Column:
+    if isinstance(dtype, T.TimestampType):
+        return F.unix_micros(column)
+    if isinstance(dtype, T.DecimalType):
+        return column.cast("string")
+    return column
+
+
+def _payload_kind(dtype: T.DataType) -> str:
+    if isinstance(dtype, T.TimestampType):
+        return "micros"
+    if isinstance(dtype, T.DecimalType):
+        return "decimal"
+    return _kind_of(dtype)
+
+
+def _from_micros(value):
+    return value if isinstance(value, datetime) else _EPOCH + timedelta(microseconds=value)
+
+
+_DECODERS = {"micros": _from_micros, "decimal": Decimal}
+
+
+def _decoder(kinds: list[str]):
+    """A payload row's compact values back to what the function sees (None: nothing to decode). Rows
+    buffered by an older lakestream hold decoded values already, and pass through unchanged."""
+    convert = [(i, _DECODERS[k]) for i, k in enumerate(kinds) if k in _DECODERS]
+    if not convert:
+        return None
+
+    def decode(row: tuple) -> list:
+        values = list(row)
+        for i, to_value in convert:
+            if values[i] is not None:
+                values[i] = to_value(values[i])
+        return values
+
+    return decode
+
+
 def _py(value, kind: str):
     if value is None or (not isinstance(value, (str, bytes, Decimal, list, dict)) and pd.isna(value)):
         return None
     if kind == "timestamp":
         return pd.Timestamp(value).to_pydatetime().replace(tzinfo=timezone.utc)
-    if kind == "int":
+    if kind in ("int", "micros"):
         return int(value)
     if kind == "float":
         return float(value)
@@ -189,7 +282,7 @@ def _values(series: pd.Series, kind: str) -> list:
         with warnings.catch_warnings():  # pandas 2.2 warns that a Series will come back one day; a list is wanted
             warnings.simplefilter("ignore", FutureWarning)
             return list(utc.dt.to_pydatetime())
-    if kind == "int":
+    if kind in ("int", "micros"):
         return [int(v) for v in series.tolist()]
     if kind == "float":
         return [float(v) for v in series.tolist()]
@@ -211,7 +304,8 @@ class _Adapter:
     def __init__(self, job: KeyedJob, payload: T.StructType, main: T.StructType, output: T.StructType):
         self.job = job
         self.payload_names = payload.names
-        self.payload_kinds = [_kind_of(f.dataType) for f in payload.fields]
+        self.payload_kinds = [_payload_kind(f.dataType) for f in payload.fields]
+        self.decode = _decoder(self.payload_kinds)
         self.key_kinds = [_kind_of(payload[k].dataType) for k in job.keys]
         self.main = main
         self.output = output
@@ -223,7 +317,8 @@ class _Adapter:
     @property
     def runtime(self) -> KeyedRuntime:
         if self._runtime is None:
-            self._runtime = KeyedRuntime(self.job.function, self.payload_names, self.main.names, self.dedup_ttl_ms)
+            self._runtime = KeyedRuntime(self.job.function, self.payload_names, self.main.names, self.dedup_ttl_ms,
+                                         decode=self.decode)
         return self._runtime
 
     def by_key(self, pdf: pd.DataFrame | None) -> dict[tuple, list[tuple[int, str, tuple]]]:
@@ -239,15 +334,26 @@ class _Adapter:
         return grouped
 
     def quarantine(self, pdf: pd.DataFrame) -> pd.DataFrame:
-        rows = [{"_kind": "q", "_q_src": s, "_q_file": f, "_q_raw": r, "_q_reason": why}
-                for s, f, r, why in zip(pdf["_src"], pdf["_file"], pdf["_raw"], pdf["_reason"])]
+        """The batch's invalid lines (they all travel under the NULL bucket, so one call sees them all), one
+        row per distinct line of a file with its number of occurrences: counted here, the quarantine tables'
+        writes need no shuffle of their own."""
+        lines: dict[tuple, list] = {}
+        for s, f, r, why in zip(pdf["_src"], pdf["_file"], pdf["_raw"], pdf["_reason"]):
+            seen = lines.get((s, f, r))
+            if seen is None:
+                lines[(s, f, r)] = [why, 1]
+            else:
+                seen[1] += 1
+        rows = [{"_kind": "q", "_q_src": s, "_q_file": f, "_q_raw": r, "_q_reason": why, "_q_n": n}
+                for (s, f, r), (why, n) in lines.items()]
         return self.frame(rows)
 
     def result_rows(self, key: tuple, result, rows: list[dict]) -> None:
         keys = {KEY + k: v for k, v in zip(self.job.keys, key)}
         rows += [{"_kind": "out", **keys, **dict(zip((OUT + n for n in self.main.names), out))} for out in result.outputs]
         for t, event_id, payload in result.late:
-            event = json.dumps(dict(zip(self.payload_names, payload)), default=_json_default, sort_keys=True)
+            values = self.decode(payload) if self.decode else payload
+            event = json.dumps(dict(zip(self.payload_names, values)), default=_json_default, sort_keys=True)
             rows.append({"_kind": "late", **keys, "_l_t": t, "_l_id": event_id, "_l_event": event})
 
     def frame(self, rows: list[dict]) -> pd.DataFrame:
@@ -315,20 +421,31 @@ def _column(values: list, dtype: T.DataType):
     return pd.Series(values, dtype=object)
 
 
-def _plan(job: KeyedJob, parsed: DataFrame, stream: bool, buckets: int):
+def _plan(job: KeyedJob, parsed: DataFrame, stream: bool, buckets: int, labels: tuple[int, ...] | None = None):
     main = main_schema(job)
-    frame, payload = _inputs(job, parsed, stream=stream, buckets=buckets)
+    frame, payload = _inputs(job, parsed, stream=stream, buckets=buckets, labels=labels)
     output = _output_schema(job, main, payload)
     return frame, output, _Adapter(job, payload, main, output)
 
 
-def stream_frame(job: KeyedJob, parsed: DataFrame, buckets: int) -> DataFrame:
-    """The keyed streaming query's output: rows of kind out | late | q | stats; keys in ``buckets`` groups."""
-    frame, output, adapter = _plan(job, parsed, stream=True, buckets=buckets)
+def stream_frame(job: KeyedJob, parsed: DataFrame, buckets: int, labels: tuple[int, ...] | None = None) -> DataFrame:
+    """The keyed streaming query's output: rows of kind out | late | q | stats; keys in ``buckets`` groups
+    (grouped by ``labels``, see ``bucket_labels``)."""
+    frame, output, adapter = _plan(job, parsed, stream=True, buckets=buckets, labels=labels)
     processing = job.timers == PROCESSING_TIME
 
     def process(key, pdfs: Iterator[pd.DataFrame], state):
         _keep_zip_directories()
+        _freeze_heap()
+        # A bucket's call builds and drops many small objects (state, rows); the worker's collection after
+        # the task reclaims any cycle, so automatic collections in between would only re-walk live state.
+        gc.disable()
+        try:
+            yield from _process(key, pdfs, state)
+        finally:
+            gc.enable()
+
+    def _process(key, pdfs: Iterator[pd.DataFrame], state):
         parts = [p for p in pdfs if len(p)]
         pdf = pd.concat(parts, ignore_index=True) if parts else None
         if pd.isna(key[0]):  # invalid lines travel under the NULL bucket
@@ -370,30 +487,44 @@ def bounded_frame(job: KeyedJob, parsed: DataFrame) -> DataFrame:
     return _unpacked(frame.groupBy(BUCKET).applyInPandas(process, output))
 
 
+class _Parts(dict):
+    """Destination name -> frame, each built on first use (a frame is a few calls into the JVM; most
+    batches write two or three of them)."""
+
+    def __init__(self, builders: dict):
+        super().__init__()
+        self.builders = builders
+
+    def __missing__(self, name: str) -> DataFrame:
+        self[name] = frame = self.builders[name]()
+        return frame
+
+
 def split(job: KeyedJob, frame: DataFrame, main: T.StructType, watermark_ms: int | None = None) -> dict[str, DataFrame]:
     """The runtime's output rows by destination: main, late, quarantine (per source), stats. The late
     rows have the late-table schema every job shares (no window: a keyed element misses no window)."""
-    keys = [F.col(KEY + k).alias(k) for k in job.keys]
-    out = frame.where(F.col("_kind") == "out").select(*[F.col(OUT + f.name).alias(f.name) for f in main.fields])
-    source = F.lit(job.source.name) if len(job.sources) == 1 else F.get_json_object("_l_event", "$.source")
-    late = frame.where(F.col("_kind") == "late").select(
-        *keys,
-        F.col("_l_id").alias(job.source.dedup_key),
-        F.timestamp_millis(F.col("_l_t")).alias(job.source.event_time),
-        F.lit(None).cast("timestamp").alias("window_start"), F.lit(None).cast("timestamp").alias("window_end"),
-        F.lit(watermark_ms).cast("long").alias("watermark_ms"),
-        (F.lit(watermark_ms) - F.col("_l_t")).cast("long").alias("late_by_ms"),
-        source.alias("source"), F.get_json_object("_l_event", "$.source_file").alias("source_file"),
-        F.col("_l_event").alias("event"),
-    )
-    bad = frame.where(F.col("_kind") == "q")
-    quarantine = {
-        s.name: bad.where(F.col("_q_src") == s.name).groupBy(
-            F.col("_q_src").alias("source"), F.col("_q_file").alias("source_file"), F.col("_q_raw").alias("raw_line")
-        ).agg(F.first("_q_reason").alias("reason"), F.count(F.lit(1)).alias("occurrences")).withColumn(
-            "detected_by", F.lit(job.name)
+
+    def out() -> DataFrame:
+        return frame.where(F.col("_kind") == "out").select(*[F.col(OUT + f.name).alias(f.name) for f in main.fields])
+
+    def late() -> DataFrame:
+        source = F.lit(job.source.name) if len(job.sources) == 1 else F.get_json_object("_l_event", "$.source")
+        return frame.where(F.col("_kind") == "late").select(
+            *[F.col(KEY + k).alias(k) for k in job.keys],
+            F.col("_l_id").alias(job.source.dedup_key),
+            F.timestamp_millis(F.col("_l_t")).alias(job.source.event_time),
+            F.lit(None).cast("timestamp").alias("window_start"), F.lit(None).cast("timestamp").alias("window_end"),
+            F.lit(watermark_ms).cast("long").alias("watermark_ms"),
+            (F.lit(watermark_ms) - F.col("_l_t")).cast("long").alias("late_by_ms"),
+            source.alias("source"), F.get_json_object("_l_event", "$.source_file").alias("source_file"),
+            F.col("_l_event").alias("event"),
         )
-        for s in job.sources
-    }
-    stats = frame.where(F.col("_kind") == "stats")
-    return {"main": out, "late": late, "stats": stats, **{f"quarantine:{k}": v for k, v in quarantine.items()}}
+
+    def quarantine(name: str) -> DataFrame:
+        return frame.where((F.col("_kind") == "q") & (F.col("_q_src") == name)).select(
+            F.col("_q_src").alias("source"), F.col("_q_file").alias("source_file"), F.col("_q_raw").alias("raw_line"),
+            F.col("_q_reason").alias("reason"), F.col("_q_n").alias("occurrences"), F.lit(job.name).alias("detected_by"),
+        )
+
+    return _Parts({"main": out, "late": late, "stats": lambda: frame.where(F.col("_kind") == "stats"),
+                   **{f"quarantine:{s.name}": (lambda n=s.name: quarantine(n)) for s in job.sources}})
