@@ -267,3 +267,75 @@ def test_state_written_by_the_earlier_format_resumes_with_its_buffer_and_ids():
     assert (r.duplicates, r.outputs) == (1, [])  # the id the old state remembered; both wait for the watermark
     r = rt.process(KEY, r.state, [], T0 + 3 * MIN, 0)
     assert r.outputs == [(at, Decimal("12.50")), (datetime(2026, 11, 20, 0, 2, tzinfo=timezone.utc), Decimal("7.25"))]
+
+
+class Keeper(KeyedProcessFunction):
+    """Stores each element's payload in value, list and map state (declared struct, timestamp and decimal
+    types) and emits, on the next element, what the state gives back."""
+
+    TYPE = "struct<amount:decimal(18,2), at:timestamp, id:string>"
+
+    def open(self, ctx):
+        self.value = ctx.get_state(ValueStateDescriptor("value", self.TYPE))
+        self.history = ctx.get_state(ListStateDescriptor("history", "timestamp"))
+        self.by_id = ctx.get_state(MapStateDescriptor("by_id", "decimal(18,2)"))
+
+    def process_element(self, element, ctx):
+        yield (self.value.value(), self.history.get(), self.by_id.items())
+        self.value.update(element.v)
+        self.history.add(element.v[1] if isinstance(element.v, tuple) else element.v)
+        self.by_id.put(ctx.timestamp(), element.v[0] if isinstance(element.v, tuple) else element.v)
+
+
+def test_state_of_declared_types_reads_back_exactly_what_was_written():
+    """Values of a declared timestamp, decimal or struct are stored as numbers and text; what a function
+    reads back is what it wrote, to the type, the decimal's exponent and the time zone, and a value that
+    does not match the declared type (a naive datetime, a float, a list) is kept as it is."""
+    import pickle
+    from datetime import datetime, timezone
+    from decimal import Decimal
+
+    utc = datetime(2026, 11, 20, 0, 1, 2, 345678, tzinfo=timezone.utc)
+    written = [
+        (Decimal("12.50"), utc, "a"),
+        (Decimal("-0.00"), datetime(1969, 12, 31, 23, 59, 59, 1, tzinfo=timezone.utc), None),
+        (None, None, "c"),
+        (Decimal("1E+3"), datetime(2026, 11, 20, 0, 1), "naive"),  # a naive datetime: kept as it is
+        [Decimal("7.1"), utc, "a list"],  # not a tuple: kept as it is
+        (1.5, utc, "a float"),  # not a Decimal: kept as it is
+        (Decimal("3.25"), utc, "last"),
+    ]
+    rt = KeyedRuntime(Keeper, ["v"], ["value", "history", "by_id"], 30 * MIN)
+    state, seen = None, []
+    for i, v in enumerate(written):
+        r = rt.process(KEY, state, [(T0 + i, f"e{i}", (v,))], T0 + i - 1, 0)
+        r = rt.process(KEY, r.state, [], T0 + i, 0)
+        seen.append(r.outputs[0])
+        state = r.state
+    for i, (value, history, by_id) in enumerate(seen[1:], start=1):
+        before = written[i - 1]
+        assert value == before and type(value) is type(before)
+        assert [repr(f) for f in value] == [repr(f) for f in before]  # exponent, sign, tzinfo and microseconds
+        expected_history = [w[1] if isinstance(w, tuple) else w for w in written[:i]]
+        assert [repr(h) for h in history] == [repr(h) for h in expected_history]
+        assert [repr(x) for _, x in by_id] == [repr(w[0] if isinstance(w, tuple) else w) for w in written[:i]]
+    store = pickle.loads(state)["store"]
+    assert "value" in store["V"] and "history" in store["l"]  # the last value compact; a list with a naive datetime as it is
+
+
+def test_state_written_before_values_were_encoded_still_loads():
+    """A key's state of format 2 (values pickled as Decimal and datetime objects) resumes as it is."""
+    import pickle
+    from datetime import datetime, timezone
+    from decimal import Decimal
+
+    at = datetime(2026, 11, 20, 0, 1, tzinfo=timezone.utc)
+    old = pickle.dumps({"format": 2, "store": {"v": {"value": ((Decimal("12.50"), at, "x"), T0)}, "l": {"history": [(at, T0)]},
+                                              "m": {"by_id": {T0: (Decimal("12.50"), T0)}}},
+                        "et": [], "pt": [], "buf": [], "ids": "e0", "exp": b""})
+    old = pickle.dumps({**pickle.loads(old), "exp": __import__("array").array("q", [T0 + 30 * MIN]).tobytes()})
+    rt = KeyedRuntime(Keeper, ["v"], ["value", "history", "by_id"], 30 * MIN)
+    r = rt.process(KEY, old, [(T0 + 1, "e0", (("dup",),)), (T0 + 2, "e1", ((Decimal("1.00"), at, "y"),))], T0, 0)
+    assert r.duplicates == 1
+    r = rt.process(KEY, r.state, [], T0 + 2, 0)
+    assert r.outputs == [((Decimal("12.50"), at, "x"), [at], [(T0, Decimal("12.50"))])]

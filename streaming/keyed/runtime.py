@@ -19,34 +19,99 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from .function import EVENT_TIME, PROCESSING_TIME, Context, Instant, RuntimeContext, TimerService, to_ms
-from .state import KeyStore, StoreHolder
+from .state import KeyStore, StoreHolder, codec
 
 NEG_INF_MS = -(2**62)
 POS_INF_MS = 2**62
-STATE_FORMAT = 2  # 2: remembered ids packed (``_pack_seen``); format 1 states load as they are
+STATE_FORMAT = 3  # 2: remembered ids packed (``_Seen``); 3: values of declared types encoded (``state.codec``); older formats load as they are
 _ID_SEP = "\x1f"
 
 
-def _pack_seen(seen: dict[str, int]) -> dict:
-    """Remembered ids as one text and one array of expiries: a key's ids are rewritten on every batch that
-    touches the key, and this packs and unpacks 2-3x faster than pickling the dict."""
-    try:
-        ids = _ID_SEP.join(seen)
-    except TypeError:  # an id that is not text
-        return {"seen": seen}
-    if ids.count(_ID_SEP) != len(seen) - 1 and seen:  # an id that holds the separator
-        return {"seen": seen}
-    return {"ids": ids, "exp": array("q", seen.values()).tobytes()}
-
-
 def _unpack_seen(saved: dict) -> dict[str, int]:
-    if "ids" not in saved:
-        return saved.get("seen", {})
-    if not saved["ids"] and not saved["exp"]:
-        return {}
-    expiries = array("q")
-    expiries.frombytes(saved["exp"])
-    return dict(zip(saved["ids"].split(_ID_SEP), expiries))
+    """A state's remembered ids and their expiries, as a dict (inspection)."""
+    return _Seen(saved).as_dict()
+
+
+class _Seen:
+    """A key's remembered ids (dedup keys) with their expiries, kept as they are stored: one text of the
+    ids joined by a separator and one array of expiries. Most calls look up and add a few ids; unpacking
+    the ids into a dict and packing them again was 9 % of the Python workers' time in a keyed latency run.
+    Ids that are not text, or hold the separator, turn the set into a plain dict (stored as such)."""
+
+    __slots__ = ("text", "exp", "plain", "_index")
+    _INDEX_FROM = 512  # characters of packed ids from which a lookup goes through a set of them
+
+    def __init__(self, saved: dict):
+        self.plain: dict | None = None
+        self._index: set | None = None
+        self.exp = array("q")
+        if "ids" in saved:
+            self.text = saved["ids"]
+            self.exp.frombytes(saved["exp"])
+        else:  # format 1 (or ids that could not be packed)
+            self.text = ""
+            self.plain = dict(saved.get("seen", {}))
+
+    def __bool__(self) -> bool:
+        return bool(self.plain) if self.plain is not None else len(self.exp) > 0
+
+    def __contains__(self, event_id) -> bool:
+        if self.plain is not None:
+            return event_id in self.plain
+        if not self.exp or type(event_id) is not str or _ID_SEP in event_id:
+            return False  # (a packed text never holds an id with the separator)
+        if self._index is None and len(self.text) >= self._INDEX_FROM:
+            self._index = set(self.text.split(_ID_SEP))
+        if self._index is not None:
+            return event_id in self._index
+        return f"{_ID_SEP}{event_id}{_ID_SEP}" in f"{_ID_SEP}{self.text}{_ID_SEP}"
+
+    def add(self, event_id, expiry: int) -> None:
+        if self.plain is None and (type(event_id) is not str or _ID_SEP in event_id):
+            self.plain = self.as_dict()
+        if self.plain is not None:
+            self.plain[event_id] = expiry
+            return
+        self.text = f"{self.text}{_ID_SEP}{event_id}" if self.exp else event_id
+        self.exp.append(expiry)
+        if self._index is not None:
+            self._index.add(event_id)
+
+    def as_dict(self) -> dict:
+        if self.plain is not None:
+            return self.plain
+        if not self.exp:
+            return {}
+        return dict(zip(self.text.split(_ID_SEP), self.exp))
+
+    def latest(self) -> int:
+        return max(self.plain.values()) if self.plain is not None else max(self.exp)
+
+    def expire(self, horizon: int) -> None:
+        """Forget the ids whose expiry the key's clock has reached."""
+        if not self:
+            return
+        if self.plain is not None:
+            if min(self.plain.values()) <= horizon:
+                self.plain = {k: v for k, v in self.plain.items() if v > horizon}
+            return
+        if min(self.exp) > horizon:
+            return
+        kept = [(k, v) for k, v in zip(self.text.split(_ID_SEP), self.exp) if v > horizon]
+        self.text = _ID_SEP.join(k for k, _ in kept)
+        self.exp = array("q", [v for _, v in kept])
+        self._index = None
+
+    def packed(self) -> dict:
+        if self.plain is None:
+            return {"ids": self.text, "exp": self.exp.tobytes()}
+        try:  # (ids of an older state, now perhaps all packable)
+            ids = _ID_SEP.join(self.plain)
+        except TypeError:  # an id that is not text
+            return {"seen": self.plain}
+        if self.plain and ids.count(_ID_SEP) != len(self.plain) - 1:  # an id that holds the separator
+            return {"seen": self.plain}
+        return {"ids": ids, "exp": array("q", self.plain.values()).tobytes()}
 
 
 class _Timers(TimerService):
@@ -103,6 +168,7 @@ class KeyedRuntime:
         self.function = function_class()
         self.function.open(runtime_ctx)
         self.descriptors = runtime_ctx.descriptors
+        self.codecs = {name: c for name, d in self.descriptors.items() if (c := codec(d.type)) is not None}
         self.timers = _Timers()
         self.ctx = Context(self.timers)
         self.Event = namedtuple("Event", payload_columns, rename=True)
@@ -120,11 +186,11 @@ class KeyedRuntime:
         at the end every timer fires (``watermark_ms`` is ignored).
         """
         saved = pickle.loads(state) if state else {}
-        store = KeyStore(saved.get("store"))
+        store = KeyStore(saved.get("store"), self.codecs)
         self.holder.store = store
         self.timers.load(saved.get("et", ()), saved.get("pt", ()))
         buffer: list[tuple[int, str, tuple]] = saved.get("buf", [])
-        seen: dict[str, int] = _unpack_seen(saved)
+        seen = _Seen(saved)
         result = KeyResult()
         self.ctx.key = key
         self.timers.processing_time_ms = processing_time_ms
@@ -138,7 +204,7 @@ class KeyedRuntime:
             if event_id in seen:
                 result.duplicates += 1
                 continue
-            seen[event_id] = max(t, watermark_ms if not bounded else t) + self.dedup_ttl_ms
+            seen.add(event_id, max(t, watermark_ms if not bounded else t) + self.dedup_ttl_ms)
             if not bounded and t <= watermark_ms:
                 result.late.append((t, event_id, row))
                 continue
@@ -161,8 +227,7 @@ class KeyedRuntime:
                 self._fire(min(self.timers.processing_timers), horizon, result.outputs)
 
         store.expire(self.descriptors, horizon)
-        if seen and min(seen.values()) <= horizon:
-            seen = {k: v for k, v in seen.items() if v > horizon}
+        seen.expire(horizon)
         self._finish(result, store, buffer, seen, bounded)
         return result
 
@@ -218,7 +283,7 @@ class KeyedRuntime:
             raise ValueError(f"output row {values!r} has {len(values)} values; the output schema has {self.output_columns}")
         return values
 
-    def _finish(self, result: KeyResult, store: KeyStore, buffer: list, seen: dict, bounded: bool) -> None:
+    def _finish(self, result: KeyResult, store: KeyStore, buffer: list, seen: _Seen, bounded: bool) -> None:
         if bounded:
             return
         pending = [buffer[0][0]] if buffer else []
@@ -229,7 +294,7 @@ class KeyedRuntime:
         if expiry is not None:
             pending.append(expiry)
         if not pending and seen:
-            pending.append(max(seen.values()))  # only remembered ids are left: wake up to forget the key
+            pending.append(seen.latest())  # only remembered ids are left: wake up to forget the key
         result.wakeup_ms = min(pending) if pending else None
         result.processing_wakeup_ms = min(self.timers.processing_timers) if self.timers.processing_timers else None
         if store.is_empty() and not buffer and not seen and not self.timers.event_timers and not self.timers.processing_timers:
@@ -237,7 +302,7 @@ class KeyedRuntime:
             return
         result.state = pickle.dumps(
             {"format": STATE_FORMAT, "store": store.dump(), "et": sorted(self.timers.event_timers),
-             "pt": sorted(self.timers.processing_timers), "buf": buffer, **_pack_seen(seen)},
+             "pt": sorted(self.timers.processing_timers), "buf": buffer, **seen.packed()},
             protocol=pickle.HIGHEST_PROTOCOL,
         )
 
@@ -249,9 +314,9 @@ class KeyedRuntime:
         saved = pickle.loads(state)
         store = saved["store"]
         return {
-            "values": len(store["v"]),
-            "list_entries": sum(len(v) for v in store["l"].values()),
-            "map_entries": sum(len(v) for v in store["m"].values()),
+            "values": len(store["v"]) + len(store.get("V", ())),
+            "list_entries": sum(len(v) for part in ("l", "L") for v in store.get(part, {}).values()),
+            "map_entries": sum(len(v) for part in ("m", "M") for v in store.get(part, {}).values()),
             "event_timers": len(saved["et"]),
             "processing_timers": len(saved["pt"]),
             "buffered": len(saved["buf"]),

@@ -39,6 +39,7 @@ from .function import PROCESSING_TIME
 from .runtime import KeyedRuntime
 
 _NEVER_LATE = "_never_late"
+_NEVER_LATE_VALUE = 2**62  # microseconds: year ~146,000
 _STATE_SCHEMA = "blob binary"
 PAYLOAD, OUT, KEY = "_p_", "_o_", "_k_"
 BUCKET = "_bucket"
@@ -162,35 +163,59 @@ def _valid_utf8(text: F.Column) -> F.Column:
     return F.decode(F.encode(text, "UTF-8"), "UTF-8")
 
 
+BAD = "_bad"  # an invalid line, as JSON of its source, file, text and reason (NULL on events)
+
+
+class _Wire:
+    """Which input columns carry what to Python. Each column costs its own Arrow and pandas conversion in
+    every call, so nothing crosses twice: the keys are read from the payload, the event time (ms) from
+    the payload's microseconds and the dedup key from the payload when it is text; an invalid line is one
+    JSON text; the far-future watermark column is a number."""
+
+    def __init__(self, job: KeyedJob, payload: T.StructType):
+        kinds = {f.name: _payload_kind(f.dataType) for f in payload.fields}
+        self.time_from_payload = kinds[job.source.event_time] == "micros"
+        self.id_from_payload = isinstance(payload[job.source.dedup_key].dataType, T.StringType)
+        self.time = PAYLOAD + job.source.event_time if self.time_from_payload else "_t"
+        self.id = PAYLOAD + job.source.dedup_key if self.id_from_payload else "_id"
+        self.keys = [PAYLOAD + k for k in job.keys]
+        self.key_kinds = [kinds[k] for k in job.keys]
+
+
 def _inputs(job: KeyedJob, parsed: DataFrame, *, stream: bool, buckets: int,
             labels: tuple[int, ...] | None = None) -> tuple[DataFrame, T.StructType]:
     """Valid transformed events and invalid lines as one frame keyed by ``job.keys``."""
     events = _transformed(job, parsed, watermark=stream)
     payload = events.schema
-    t_ms = F.unix_millis(F.col(job.source.event_time))
+    wire = _Wire(job, payload)
+    extra, extra_types = [], []
+    if not wire.time_from_payload:
+        extra.append(F.unix_millis(F.col(job.source.event_time)).alias("_t"))
+        extra_types.append(("_t", "long"))
+    if not wire.id_from_payload:
+        extra.append(F.col(job.source.dedup_key).cast("string").alias("_id"))
+        extra_types.append(("_id", "string"))
     cols = [
         _bucket(job, buckets, labels).alias(BUCKET),
-        *[F.col(k) for k in job.keys],
-        t_ms.alias("_t"),
-        F.col(job.source.dedup_key).cast("string").alias("_id"),
+        *extra,
         # Explicit metadata replaces the watermark marker the event-time column carries.
         *[_encoded(F.col(c), payload[c].dataType).alias(PAYLOAD + c, metadata={"lakestream": "payload"})
           for c in payload.names],
-        F.lit(None).cast("string").alias("_raw"), F.lit(None).cast("string").alias("_reason"),
-        F.lit(None).cast("string").alias("_src"), F.lit(None).cast("string").alias("_file"),
+        F.lit(None).cast("string").alias(BAD),
     ]
     bad = parsed.where(F.col("_reason").isNotNull()).select(
         F.lit(None).cast("int").alias(BUCKET),
-        *[F.lit(None).cast(payload[k].dataType).alias(k) for k in job.keys],
-        F.lit(None).cast("long").alias("_t"), F.lit(None).cast("string").alias("_id"),
+        *[F.lit(None).cast(dtype).alias(name) for name, dtype in extra_types],
         *[F.lit(None).cast(_wire_type(f.dataType)).alias(PAYLOAD + f.name) for f in payload.fields],
         # A line's bytes need not be UTF-8; Arrow refuses such text on its way to Python. Re-encoding turns
         # every undecodable byte into U+FFFD (the quarantine keeps the line, readably).
-        _valid_utf8(F.col("_raw")).alias("_raw"), _valid_utf8(F.col("_reason")).alias("_reason"),
-        F.col("source").alias("_src"), F.col("source_file").alias("_file"),
+        F.to_json(F.struct(F.col("source").alias("s"), F.col("source_file").alias("f"),
+                           _valid_utf8(F.col("_raw")).alias("r"), _valid_utf8(F.col("_reason")).alias("why"))).alias(BAD),
     )
     if stream:
-        never = F.lit("9999-12-31 00:00:00").cast("timestamp").alias(
+        # Spark's check that an event-time timeout has a watermark only looks for the marker; rows are
+        # compared with it as microseconds, which this number never reaches.
+        never = F.lit(_NEVER_LATE_VALUE).alias(
             _NEVER_LATE, metadata={"spark.watermarkDelayMs": job.watermark.out_of_orderness_ms}
         )
         return events.select(never, *cols).unionByName(bad.select(never, *bad.columns)), payload
@@ -306,7 +331,7 @@ class _Adapter:
         self.payload_names = payload.names
         self.payload_kinds = [_payload_kind(f.dataType) for f in payload.fields]
         self.decode = _decoder(self.payload_kinds)
-        self.key_kinds = [_kind_of(payload[k].dataType) for k in job.keys]
+        self.wire = _Wire(job, payload)
         self.main = main
         self.output = output
         self.output_names = output.names
@@ -326,11 +351,16 @@ class _Adapter:
         grouped: dict[tuple, list] = {}
         if pdf is None or pdf.empty:
             return grouped
-        keys = list(zip(*[_values(pdf[k], kind) for k, kind in zip(self.job.keys, self.key_kinds)]))
-        columns = [_values(pdf[PAYLOAD + name], kind) for name, kind in zip(self.payload_names, self.payload_kinds)]
-        rows = list(zip(*columns)) if columns else [()] * len(pdf)
-        for key, t, event_id, row in zip(keys, pdf["_t"].tolist(), pdf["_id"].tolist(), rows):
-            grouped.setdefault(key, []).append((int(t), event_id, row))
+        wire = self.wire
+        columns = {PAYLOAD + name: _values(pdf[PAYLOAD + name], kind)
+                   for name, kind in zip(self.payload_names, self.payload_kinds)}
+        keys = list(zip(*[[_DECODERS[kind](v) if v is not None and kind in _DECODERS else v for v in columns[c]]
+                          for c, kind in zip(wire.keys, wire.key_kinds)]))
+        times = [t // 1000 for t in columns[wire.time]] if wire.time_from_payload else _values(pdf["_t"], "int")
+        ids = columns[wire.id] if wire.id_from_payload else pdf["_id"].tolist()
+        rows = list(zip(*columns.values())) if columns else [()] * len(pdf)
+        for key, t, event_id, row in zip(keys, times, ids, rows):
+            grouped.setdefault(key, []).append((t, event_id, row))
         return grouped
 
     def quarantine(self, pdf: pd.DataFrame) -> pd.DataFrame:
@@ -338,7 +368,9 @@ class _Adapter:
         row per distinct line of a file with its number of occurrences: counted here, the quarantine tables'
         writes need no shuffle of their own."""
         lines: dict[tuple, list] = {}
-        for s, f, r, why in zip(pdf["_src"], pdf["_file"], pdf["_raw"], pdf["_reason"]):
+        for text in pdf[BAD]:
+            line = json.loads(text)
+            s, f, r, why = line.get("s"), line.get("f"), line.get("r"), line.get("why")
             seen = lines.get((s, f, r))
             if seen is None:
                 lines[(s, f, r)] = [why, 1]

@@ -15,8 +15,9 @@ would make a backfill differ from the stream that it recomputes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Iterator
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+from typing import Any, Callable, Iterator
 
 from ..durations import format_duration, to_ms
 from ..errors import DeclarationError
@@ -84,21 +85,146 @@ class MapStateDescriptor(_Descriptor):
     kind = "map"
 
 
+# -- declared types as plain numbers and text ---------------------------------------------------
+# A key's state is pickled on every batch that touches the key. Pickling a UTC datetime costs ~4.7 us and a
+# Decimal ~1.4 us (each a reduce call and a class looked up by name), an int or a str ~0.2 us; the value of
+# large_amount_alerts (decimal, timestamp, string) took 7.5 us to pickle and 3.2 us to unpickle, 0.6 us
+# each as numbers and text. So, as Flink serializes state by its declared type, a value of a declared
+# timestamp, decimal or struct of them is stored as microseconds, text and tuples. Only values of exactly
+# the expected Python type are encoded (an aware UTC datetime, a Decimal, a tuple of the struct's width);
+# anything else is stored as it is, so what a function reads back is always what it wrote.
+
+Codec = tuple[Callable[[Any], Any], Callable[[Any], Any]]
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_US = timedelta(microseconds=1)
+
+
+class _AsIs(Exception):
+    """A value the declared type's codec does not cover: it is stored as it is."""
+
+
+def _encode_timestamp(value: Any) -> int:
+    if type(value) is not datetime or value.tzinfo is not timezone.utc or value.fold:
+        raise _AsIs
+    return (value - _EPOCH) // _US
+
+
+def _decode_timestamp(micros: int) -> datetime:
+    return _EPOCH + timedelta(microseconds=micros)
+
+
+def _encode_decimal(value: Any) -> str:
+    if type(value) is not Decimal:
+        raise _AsIs
+    return str(value)  # exact: Decimal(str(d)) has d's digits, exponent and sign
+
+
+def _fields(inner: str) -> list[str]:
+    """A struct's field declarations, split at the commas outside brackets."""
+    fields, depth, start = [], 0, 0
+    for i, ch in enumerate(inner):
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            fields.append(inner[start:i])
+            start = i + 1
+    fields.append(inner[start:])
+    return fields
+
+
+def codec(type_string: str) -> Codec | None:
+    """Encode/decode for a declared Spark SQL type (None: its values are stored as they are)."""
+    t = type_string.strip().lower()
+    if t == "timestamp":
+        return _encode_timestamp, _decode_timestamp
+    if t == "decimal" or t.startswith("decimal("):
+        return _encode_decimal, Decimal
+    if not (t.startswith("struct<") and t.endswith(">")):
+        return None
+    parts = []
+    for field in _fields(t[len("struct<"):-1]):
+        name_and_type = field.split(":", 1) if ":" in field else field.strip().split(None, 1)
+        if len(name_and_type) != 2:
+            return None
+        parts.append(codec(name_and_type[1]))
+    if not any(parts):
+        return None
+    width = len(parts)
+    encoders = [(i, c[0]) for i, c in enumerate(parts) if c]
+    decoders = [(i, c[1]) for i, c in enumerate(parts) if c]
+
+    def encode(value: Any) -> list:
+        if type(value) is not tuple or len(value) != width:
+            raise _AsIs
+        out = list(value)
+        for i, to_plain in encoders:
+            if out[i] is not None:
+                out[i] = to_plain(out[i])
+        return out
+
+    def decode(plain: list) -> tuple:
+        for i, from_plain in decoders:
+            if plain[i] is not None:
+                plain[i] = from_plain(plain[i])
+        return tuple(plain)
+
+    return encode, decode
+
+
+def _packed(entries: list[tuple[Any, int]], encode) -> list[tuple[Any, int]]:
+    return [(None if v is None else encode(v), stamp) for v, stamp in entries]
+
+
 class KeyStore:
     """All state of one key: values, lists, maps (entries with their TTL stamp), as plain data.
 
-    ``now_ms`` is the event time of what is being processed; the runtime sets it.
+    ``now_ms`` is the event time of what is being processed; the runtime sets it. ``codecs`` (by state
+    name) store values of declared types compactly (see ``codec``): encoded entries are kept apart
+    (``V``, ``L``, ``M``) from entries stored as they are (``v``, ``l``, ``m``).
     """
 
-    def __init__(self, data: dict | None = None):
+    def __init__(self, data: dict | None = None, codecs: dict[str, Codec] | None = None):
         data = data or {}
         self.values: dict[str, tuple[Any, int]] = data.get("v", {})
         self.lists: dict[str, list[tuple[Any, int]]] = data.get("l", {})
         self.maps: dict[str, dict[Any, tuple[Any, int]]] = data.get("m", {})
+        self.codecs = codecs or {}
+        if "V" in data:
+            self._unpack(data)
         self.now_ms = 0
 
+    def _unpack(self, data: dict) -> None:
+        for name, (plain, stamp) in data["V"].items():
+            self.values[name] = (self.codecs[name][1](plain), stamp)
+        for name, entries in data["L"].items():
+            decode = self.codecs[name][1]
+            self.lists[name] = [(None if v is None else decode(v), stamp) for v, stamp in entries]
+        for name, entries in data["M"].items():
+            decode = self.codecs[name][1]
+            self.maps[name] = {k: (None if v is None else decode(v), stamp) for k, (v, stamp) in entries.items()}
+
     def dump(self) -> dict:
-        return {"v": self.values, "l": self.lists, "m": self.maps}
+        if not self.codecs:
+            return {"v": self.values, "l": self.lists, "m": self.maps}
+        out: dict[str, dict] = {"v": {}, "l": {}, "m": {}, "V": {}, "L": {}, "M": {}}
+        for kind, packed, items in (("v", "V", self.values), ("l", "L", self.lists), ("m", "M", self.maps)):
+            for name, entry in items.items():
+                c = self.codecs.get(name)
+                if c is not None:
+                    try:
+                        if kind == "v":
+                            out[packed][name] = (c[0](entry[0]), entry[1])
+                        elif kind == "l":
+                            out[packed][name] = _packed(entry, c[0])
+                        else:
+                            out[packed][name] = {k: (None if v is None else c[0](v), stamp) for k, (v, stamp) in entry.items()}
+                        continue
+                    except _AsIs:
+                        pass
+                out[kind][name] = entry
+        return out
 
     def is_empty(self) -> bool:
         return not (self.values or any(self.lists.values()) or any(self.maps.values()))
