@@ -15,6 +15,7 @@ would make a backfill differ from the stream that it recomputes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any, Callable, Iterator
@@ -42,8 +43,8 @@ class TtlConfig:
                 f"TtlConfig.update_type must be ON_CREATE_AND_WRITE or ON_READ_AND_WRITE, got {self.update_type!r}"
             )
 
-    @property
-    def ttl_ms(self) -> int:
+    @cached_property
+    def ttl_ms(self) -> int:  # (read for every state access: converted once)
         return to_ms(self.ttl)
 
     def describe(self) -> str:
@@ -252,11 +253,12 @@ class KeyStore:
         for name, d in descriptors.items():
             if d.ttl is None:
                 continue
-            stamps = []
-            if name in self.values:
-                stamps.append(self.values[name][1])
-            stamps += [e[1] for e in self.lists.get(name, ())]
-            stamps += [e[1] for e in self.maps.get(name, {}).values()]
+            value = self.values.get(name)
+            stamps = [value[1]] if value is not None else []
+            if name in self.lists:
+                stamps += [e[1] for e in self.lists[name]]
+            if name in self.maps:
+                stamps += [e[1] for e in self.maps[name].values()]
             if stamps:
                 at = min(stamps) + d.ttl.ttl_ms
                 soonest = at if soonest is None else min(soonest, at)
