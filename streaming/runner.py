@@ -114,10 +114,10 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
     checkpoint = settings.checkpoint_dir(job.name)
     fs = HadoopFS(spark)
     resuming = fs.exists(Layout(checkpoint).metadata)
-    partitions = int(spark.conf.get("spark.sql.shuffle.partitions"))
-    if resuming:
-        from .compat import check_resume
+    from .compat import check_resume, stored_shuffle_partitions, stream_partitions
 
+    partitions = stream_partitions(spark, job, stored_shuffle_partitions(fs, checkpoint) if resuming else None)
+    if resuming:
         check_resume(spark, job, checkpoint, partitions)
     sinks = job_sinks(spark, settings, job)
     raw = raw_stream(spark, settings, job)
@@ -145,9 +145,22 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
         writer = writer.trigger(availableNow=True)
     else:
         writer = writer.trigger(processingTime=f"{int(interval.total_seconds() * 1000)} milliseconds")
-    query = writer.start()
+    query = _start_with_partitions(spark, writer, partitions)
     report.query_id = str(query.id)
     return query, report
+
+
+def _start_with_partitions(spark, writer, partitions: int):
+    """Start the query with ``partitions`` shuffle partitions: Spark clones the session when the query
+    is created and takes a new stream's count from the clone (a resumed one takes its offset log's)."""
+    configured = spark.conf.get("spark.sql.shuffle.partitions")
+    if int(configured) == partitions:
+        return writer.start()
+    spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
+    try:
+        return writer.start()
+    finally:
+        spark.conf.set("spark.sql.shuffle.partitions", configured)
 
 
 def _polls(job: Job) -> bool:

@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from .compat import differences, refuse, stored_shuffle_partitions
+from .compat import differences, refuse, stored_shuffle_partitions, stream_partitions
 from .declaration import Job, Table
 from .errors import SavepointError
 from .hadoopfs import HadoopFS
@@ -239,7 +239,7 @@ class Savepoints:
         if savepoint.job != job.name:
             raise SavepointError(f"savepoint {savepoint_id} belongs to job {savepoint.job}, not {job.name}")
         manifest = savepoint.manifest
-        partitions = int(self.spark.conf.get("spark.sql.shuffle.partitions"))
+        partitions = stream_partitions(self.spark, job, manifest.get("shuffle_partitions"))
         checkpoint = self.settings.checkpoint_dir(job.name)
         changes = differences(manifest.get("state", {}).get("shape"), manifest.get("shuffle_partitions"), job, partitions)
         if changes:

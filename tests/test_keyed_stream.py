@@ -216,3 +216,32 @@ def test_processing_time_timers_fire_on_the_batch_clock_without_new_input(spark,
     ts, now = rows[0].ts, rows[0].now
     assert ts >= started + 1500 and now >= ts  # fired at the first batch whose clock reached it
     assert reports and reports[0].batches >= 2  # the element's batch, then a later one for the timer
+
+
+def test_a_new_keyed_stream_on_a_local_master_takes_no_more_partitions_than_cores_and_keeps_them(spark, lake):
+    """Configured with more shuffle partitions than the machine has cores, a new keyed stream starts with
+    one per core (the offset log records it, the session keeps its setting) and resumes with it."""
+    from streaming.compat import stored_shuffle_partitions
+    from streaming.hadoopfs import HadoopFS
+
+    drop_job_tables(spark, namespaces=("test",))
+    job = reminder_job()
+    cores = spark.sparkContext.defaultParallelism
+    landing = lake.landing_dir("payments")
+    write_batches(landing, [[p(1, 0, "u1"), p(2, 30 * SEC, "u2")], [p(3, 1 * MIN, "u1"), p(4, 5 * MIN, "u3")]])
+    configured = spark.conf.get("spark.sql.shuffle.partitions")
+    spark.conf.set("spark.sql.shuffle.partitions", str(cores + 2))
+    try:
+        run(spark, lake, job, available_now=True)
+        assert spark.conf.get("spark.sql.shuffle.partitions") == str(cores + 2)
+        assert stored_shuffle_partitions(HadoopFS(spark), lake.checkpoint_dir(job.name)) == cores
+        write_batches(landing, [[p(5, 10 * MIN, "u3")], [p(6, 40 * MIN, "u1")]], start=2)
+        run(spark, lake, job, available_now=True)  # (resumed, not refused as "partitions changed")
+        assert stored_shuffle_partitions(HadoopFS(spark), lake.checkpoint_dir(job.name)) == cores
+    finally:
+        spark.conf.set("spark.sql.shuffle.partitions", configured)
+    # the oracle: a timer 2 minutes after each payment reports the count then (payments delivered in
+    # event-time order, a count kept 6 minutes): u1 pays at 00:00 and 01:00 (both timers see 2), u2 at
+    # 00:30, u3 at 05:00 (its 07:00 timer sees 1) and 10:00 (12:00 sees 2); u1@40:00 passes them all
+    rows = sorted(tuple(r) for r in spark.sql(f"SELECT user_id, count FROM {SINK}").collect())
+    assert rows == [("u1", 2), ("u1", 2), ("u2", 1), ("u3", 1), ("u3", 2)]
