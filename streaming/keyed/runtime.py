@@ -27,11 +27,6 @@ STATE_FORMAT = 3  # 2: remembered ids packed (``_Seen``); 3: values of declared 
 _ID_SEP = "\x1f"
 
 
-def _unpack_seen(saved: dict) -> dict[str, int]:
-    """A state's remembered ids and their expiries, as a dict (inspection)."""
-    return _Seen(saved).as_dict()
-
-
 class _Seen:
     """A key's remembered ids (dedup keys) with their expiries, kept as they are stored: one text of the
     ids joined by a separator and one array of expiries. Most calls look up and add a few ids; unpacking
@@ -320,6 +315,6 @@ class KeyedRuntime:
             "event_timers": len(saved["et"]),
             "processing_timers": len(saved["pt"]),
             "buffered": len(saved["buf"]),
-            "remembered_ids": len(_unpack_seen(saved)),
+            "remembered_ids": len(_Seen(saved).as_dict()),
             "bytes": len(state),
         }

@@ -174,8 +174,16 @@ def codec(type_string: str) -> Codec | None:
     return encode, decode
 
 
-def _packed(entries: list[tuple[Any, int]], encode) -> list[tuple[Any, int]]:
-    return [(None if v is None else encode(v), stamp) for v, stamp in entries]
+_KINDS = (("v", "V"), ("l", "L"), ("m", "M"))  # (entries stored as they are, entries encoded) per kind
+
+
+def _converted(kind: str, entry: Any, convert: Callable[[Any], Any]) -> Any:
+    """A value's, list's or map's entry with each stored value passed through ``convert`` (None stays)."""
+    if kind == "v":
+        return (convert(entry[0]), entry[1])
+    if kind == "l":
+        return [(None if v is None else convert(v), stamp) for v, stamp in entry]
+    return {k: (None if v is None else convert(v), stamp) for k, (v, stamp) in entry.items()}
 
 
 class KeyStore:
@@ -196,35 +204,28 @@ class KeyStore:
             self._unpack(data)
         self.now_ms = 0
 
+    def _part(self, kind: str) -> dict:
+        return {"v": self.values, "l": self.lists, "m": self.maps}[kind]
+
     def _unpack(self, data: dict) -> None:
-        for name, (plain, stamp) in data["V"].items():
-            self.values[name] = (self.codecs[name][1](plain), stamp)
-        for name, entries in data["L"].items():
-            decode = self.codecs[name][1]
-            self.lists[name] = [(None if v is None else decode(v), stamp) for v, stamp in entries]
-        for name, entries in data["M"].items():
-            decode = self.codecs[name][1]
-            self.maps[name] = {k: (None if v is None else decode(v), stamp) for k, (v, stamp) in entries.items()}
+        for kind, packed in _KINDS:
+            part = self._part(kind)
+            for name, entry in data[packed].items():
+                part[name] = _converted(kind, entry, self.codecs[name][1])
 
     def dump(self) -> dict:
         if not self.codecs:
             return {"v": self.values, "l": self.lists, "m": self.maps}
-        out: dict[str, dict] = {"v": {}, "l": {}, "m": {}, "V": {}, "L": {}, "M": {}}
-        for kind, packed, items in (("v", "V", self.values), ("l", "L", self.lists), ("m", "M", self.maps)):
-            for name, entry in items.items():
+        out: dict[str, dict] = {part: {} for pair in _KINDS for part in pair}
+        for kind, packed in _KINDS:
+            for name, entry in self._part(kind).items():
                 c = self.codecs.get(name)
-                if c is not None:
-                    try:
-                        if kind == "v":
-                            out[packed][name] = (c[0](entry[0]), entry[1])
-                        elif kind == "l":
-                            out[packed][name] = _packed(entry, c[0])
-                        else:
-                            out[packed][name] = {k: (None if v is None else c[0](v), stamp) for k, (v, stamp) in entry.items()}
-                        continue
-                    except _AsIs:
-                        pass
-                out[kind][name] = entry
+                try:
+                    if c is None:
+                        raise _AsIs
+                    out[packed][name] = _converted(kind, entry, c[0])
+                except _AsIs:
+                    out[kind][name] = entry
         return out
 
     def is_empty(self) -> bool:
