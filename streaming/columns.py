@@ -91,3 +91,14 @@ def one_of(column, values):
     from pyspark.sql import functions as F
 
     return F.array_contains(F.array(*[F.lit(v) for v in values]), column)
+
+
+def in_set(name: str, values: list[int]):
+    """Whether the long column ``name`` is one of ``values``: a hash set the compiled code references
+    (Spark writes an ``IN`` of up to 10 values into the code, so a short list is padded with negative
+    numbers: its class is reused batch after batch)."""
+    from pyspark.sql import functions as F
+
+    padded = [*dict.fromkeys(int(v) for v in values)]
+    padded += [p for p in range(-1, -12, -1) if p not in padded][:max(0, 11 - len(padded))]
+    return F.expr(f"`{name}` IN ({', '.join(f'{v}L' for v in padded)})")

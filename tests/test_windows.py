@@ -335,3 +335,32 @@ def test_a_backfill_whose_transform_reads_fields_it_drops_keeps_them_for_it(spar
     # lines again. So the kept fields are checked too.)
     parsed = parse_sources(job, spark.createDataFrame([], "value string, source_file string"))
     assert transform_inputs(job, parsed.schema) == {"user_id", "event_time", "event_id", "amount", "currency", "card_id"}
+
+
+@pytest.mark.parametrize("max_repeats", [10_000, 1], ids=["filtered", "too-many-repeats"])
+def test_ids_delivered_again_within_a_batch_count_once_and_the_first_line_wins(spark, lake_home, monkeypatch,
+                                                                                max_repeats):
+    """A stream's batch drops repeats within it by their hashes, without a shuffle, keeping the first line
+    of an id; with more repeated ids than it filters (``MAX_REPEATS``) it falls back to ``dropDuplicates``,
+    which keeps one line of each, any."""
+    import streaming.engine
+
+    monkeypatch.setattr(streaming.engine, "MAX_REPEATS", max_repeats)
+    job = job_for(Tumbling(timedelta(minutes=5)), timedelta(0))
+    batches = [
+        # e1 three times, the same line; e2 twice, differing in amount; e3 once; e4 again in the next batch
+        [p(1, 10 * SEC), p(2, 20 * SEC, amount="10.00"), p(1, 10 * SEC), p(3, 30 * SEC, "u2"), p(1, 10 * SEC),
+         p(2, 20 * SEC, amount="99.00"), p(4, 40 * SEC)],
+        [p(4, 40 * SEC), p(5, 6 * MIN), p(6, 6 * MIN + SEC, "u2"), p(5, 6 * MIN)],
+    ]
+    report, table, late = stream(spark, lake_home, job, batches)
+    truth = oracle_run(job, batches)  # (the oracle keeps the first delivery of an id, in arrival order)
+
+    assert report.stats.duplicates == 5 and report.stats.events == 6
+    assert late == [] == truth.late
+    if max_repeats > 1:
+        assert table == expected(truth)
+        assert table[("u1", T0)][1:] == (3, Decimal("30.00")), "e2 counted once, with its first line's amount"
+    else:
+        assert {k: v[:2] for k, v in table.items()} == {k: v[:2] for k, v in expected(truth).items()}
+        assert table[("u1", T0)][2] in (Decimal("30.00"), Decimal("119.00"))
