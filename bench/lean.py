@@ -81,6 +81,9 @@ class Bench:
         self.home = home
         self.settings = Settings.load({**os.environ, "LAKESTREAM_HOME": str(home)})  # (the master from the environment)
         self.spark = spark or get_spark(self.settings)
+        # Latency is read from the checkpoints' commit logs: keep every batch's entry (Spark keeps 100, and a
+        # 105 s latency run of plain Spark has ~230 batches; the earliest files' commits were lost).
+        self.spark.conf.set("spark.sql.streaming.minBatchesToRetain", "1000")
         self.landing = Path(self.settings.landing_dir("payments"))
 
     # -- helpers -----------------------------------------------------------------------------
