@@ -394,8 +394,9 @@ class WindowedBatch:
         are then filtered where they are, without a shuffle. ``dropDuplicates`` over the events shuffles
         whole rows and sorts them (its aggregate keeps strings, so Spark sorts instead of hashing): in a
         stream of 50k-line batches that cost ~0.35 s per batch. A small batch (up to
-        ``INTERPRETED_BATCH_LINES``) uses ``dropDuplicates``: there the job of its own cost more latency
-        (``purchase_metrics`` at 5k events/s in 500-line files: p99 1.19 -> 1.62 s)."""
+        ``INTERPRETED_BATCH_LINES``) uses ``dropDuplicates``: there the sort is small and a job of its own
+        is a fixed cost per batch (the one ``make bench`` with it on 500-line batches had ``purchase_metrics``
+        at p99 1.62 s against 1.19 s the run before; one run, on a noisy machine)."""
         key = self.job.source.dedup_key
         columns, keys, aggregates, repeated, out = once("repeats", lambda: (
             [F.col(TAG), *id_hashes(F.col(key))], [F.col("_h1"), F.col("_h2")],
