@@ -35,7 +35,7 @@ from pyspark.sql import Column, DataFrame, Observation, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from .columns import as_param, group, in_set, once, param, select
+from .columns import as_param, cached_leaf, group, in_set, once, param, select
 from .declaration import Agg, WindowedJob
 from .errors import DeclarationError
 from .landing import SOURCE
@@ -249,6 +249,7 @@ SMALL_BATCH_LINES = 100_000
 # compiled again. Those values are parameters now (``columns.param``); not re-measured since.
 INTERPRETED_BATCH_LINES = 20_000
 _TYPES: dict[tuple, dict[str, T.DataType]] = {}
+_UNKNOWN = object()  # (not found yet)
 _OBSERVATIONS = itertools.count()
 
 
@@ -264,13 +265,18 @@ class WindowedBatch:
     store: Store | None = None  # the stream's earlier batches (None: bounded, or the first batch)
     event_range_ms: tuple[int, int] | None = None
     batch_id: int = 0
+    # A stream's batch expected to be large (the one before it was): its statistics job also finds the ids
+    # delivered more than once (see :meth:`repeats`), one job and one pass over the cached lines less.
+    expect_large: bool = False
     _stats: BatchStats | None = None
     _min_t: int | None = None
     _buckets: set[int] | None = field(default_factory=set)  # event-time buckets of the valid events (None: too many)
     _events: DataFrame | None = None
+    _repeats: tuple[list[int], list[int], list[int]] | None | object = _UNKNOWN
     _observation: Observation | None = None
     _lines_seen: Observation | None = None
     _observed_lines: DataFrame | None = None
+    _leaf: DataFrame | None = None  # a stream's cached lines, as a plan of one node (see ``columns.cached_leaf``)
     _windowed: DataFrame | None = None
     _cached: list[DataFrame] = field(default_factory=list)
     quarantined_by_source: dict[str, int] = field(default_factory=dict)
@@ -305,11 +311,20 @@ class WindowedBatch:
         return [F.count(F.lit(1)).alias("_lines"), F.count(F.when(valid, 1)).alias("_valid"),
                 F.max(F.when(valid, t_ms)).alias("_max_t"), F.min(F.when(valid, t_ms)).alias("_min_t"), *bad, *extra]
 
+    def _cached_lines(self) -> DataFrame:
+        """Every parsed line, cached (a stream's: as the cache alone, see ``columns.cached_leaf``)."""
+        self._cache(self.parsed)
+        if self.bounded:
+            return self.parsed
+        if self._leaf is None:
+            self._leaf = cached_leaf(self.parsed)
+        return self._leaf
+
     def _lines(self) -> DataFrame:
         """Every parsed line, cached. Bounded: also counted on the way (the firing's pass reads them all)."""
-        self._cache(self.parsed)
+        lines = self._cached_lines()
         if not self.bounded:
-            return self.parsed
+            return lines
         if self._lines_seen is None:
             self._lines_seen = Observation(f"lines-{self.job.name}-{next(_OBSERVATIONS)}")
             self._observed_lines = observe(self.parsed, self._lines_seen, self._stat_columns())
@@ -319,7 +334,15 @@ class WindowedBatch:
         """The batch's statistics. Bounded: call it after an action over :meth:`fire`'s rows has run."""
         if self._stats is None:
             job = self.job
-            row = observed(self._lines_seen) if self.bounded else self._lines().agg(*self._stat_columns()).first()
+            if self.bounded:
+                row = observed(self._lines_seen)
+            elif self.expect_large:
+                seen = Observation(f"stats-{job.name}-{next(_OBSERVATIONS)}")
+                self._repeats = self._find_repeats(observe(self._lines(), seen, once("packed stats", lambda: packed(
+                    self._stat_columns()), job)))
+                row = observed(seen)
+            else:
+                row = self._lines().agg(*self._stat_columns()).first()
             self.quarantined_by_source = {s.name: row[s.name] for s in job.sources}
             self._buckets = set() if self.bounded else None if row["_buckets"] is None else set(row["_buckets"])
             self._stats = BatchStats(lines=row["_lines"], quarantined=sum(self.quarantined_by_source.values()),
@@ -339,7 +362,7 @@ class WindowedBatch:
     # -- outputs ---------------------------------------------------------------------------
     def quarantine(self, source: str | None = None) -> DataFrame:
         """Invalid lines (of ``source``, or all), one row per (file, line text) with its count."""
-        self._cache(self.parsed)
+        lines = self._cached_lines()
         where, keys, values, columns = once(("quarantine", source), lambda: (
             F.col("_reason").isNotNull() & (F.lit(True) if source is None else F.col("source") == source),
             [F.col("source"), F.col("source_file"), F.col("_raw").alias("raw_line")],
@@ -347,7 +370,7 @@ class WindowedBatch:
             [F.col(c) for c in ("source", "source_file", "raw_line", "reason", "occurrences")]
             + [F.lit(self.job.name).alias("detected_by")],
         ), self.job)
-        return select(group(self.parsed.where(where), keys, values), columns)
+        return select(group(lines.where(where), keys, values), columns)
 
     def events(self) -> DataFrame:
         """Valid events, each delivery once: repeated ids within the batch and ids the stream
@@ -357,7 +380,8 @@ class WindowedBatch:
                 self.stats()  # the batch's id buckets, for the remembered ids
             job = self.job
             key = job.source.dedup_key
-            repeats = self.repeats() if not self.bounded and self.stats().events > INTERPRETED_BATCH_LINES else None
+            known = self._repeats is not _UNKNOWN
+            repeats = self.repeats() if not self.bounded and (known or self.stats().events > INTERPRETED_BATCH_LINES) else None
             valid = (self._lines().where(self._valid()) if repeats is None else self._tagged()).drop("_raw", "_reason")
             added = once("event columns", lambda: [
                 F.col("*"), F.unix_millis(job.source.event_time).alias("event_time_ms"), *id_hashes(F.col(key))], job)
@@ -383,7 +407,7 @@ class WindowedBatch:
                 # windows, the late rows), which measured faster than caching 50k events once more.
                 self._events = events
             else:
-                self._events = self._cache(events)
+                self._events = self.cache(events)
         return self._events
 
     def repeats(self) -> tuple[list[int], list[int], list[int]] | None:
@@ -396,22 +420,29 @@ class WindowedBatch:
         stream of 50k-line batches that cost ~0.35 s per batch. A small batch (up to
         ``INTERPRETED_BATCH_LINES``) uses ``dropDuplicates``: there the sort is small and a job of its own
         is a fixed cost per batch (the one ``make bench`` with it on 500-line batches had ``purchase_metrics``
-        at p99 1.62 s against 1.19 s the run before; one run, on a noisy machine)."""
+        at p99 1.62 s against 1.19 s the run before; one run, on a noisy machine). A batch expected to be
+        large finds them in its statistics job (see :meth:`stats`)."""
+        if self._repeats is _UNKNOWN:
+            self._repeats = self._find_repeats(self._lines())
+        return self._repeats  # type: ignore[return-value]
+
+    def _find_repeats(self, lines: DataFrame) -> tuple[list[int], list[int], list[int]] | None:
         key = self.job.source.dedup_key
         columns, keys, aggregates, repeated, out = once("repeats", lambda: (
             [F.col(TAG), *id_hashes(F.col(key))], [F.col("_h1"), F.col("_h2")],
             [F.count(F.lit(1)).alias("_n"), F.min(TAG).alias("_kept")], F.col("_n") > 1,
             [F.col("_h1"), F.col("_h2"), F.col("_kept")]), self.job)
-        found = select(group(select(self._tagged(), columns), keys, aggregates).where(repeated), out)
+        found = select(group(select(self._tagged(lines), columns), keys, aggregates).where(repeated), out)
         rows = found.limit(MAX_REPEATS + 1).collect()
         if len(rows) > MAX_REPEATS:
             return None
         return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
 
-    def _tagged(self) -> DataFrame:
+    def _tagged(self, lines: DataFrame | None = None) -> DataFrame:
         """The valid lines with ``TAG``, each line's number in the batch: the same numbers every time (Spark
-        numbers the rows of each partition of the cached lines in order)."""
-        return self._lines().where(self._valid()).withColumn(TAG, F.monotonically_increasing_id())
+        numbers the rows of each partition of the cached lines in order; ``lines``: the cached lines, or a
+        frame that passes each of their rows through in order, as the statistics' observation does)."""
+        return (self._lines() if lines is None else lines).where(self._valid()).withColumn(TAG, F.monotonically_increasing_id())
 
     def events_seen(self) -> int:
         """Bounded: the events the firing read (after an action over :meth:`fire`'s rows has run)."""
@@ -504,7 +535,7 @@ class WindowedBatch:
             return Fired(rows=windows.sink_rows(merged.where(windows.passing())))
         store = {"ids": self.new_ids(), "pieces": pieces}
         if isinstance(job.window, Session):
-            store["pieces"] = pieces = self._cache(pieces)  # read by the store's write and by the firing
+            store["pieces"] = pieces = self.cache(pieces)  # read by the store's write and by the firing
             return self._fire_sessions(watermark_out_ms, windows, pieces, store)
         return self._fire_windows(watermark_out_ms, windows, pieces, store)
 
@@ -518,7 +549,7 @@ class WindowedBatch:
         every = job.window.every_ms
         if lo + (-lo) % every > hi:  # no window starts there (starts are multiples of the slide): none due
             return Fired(store=store)
-        store["pieces"] = pieces = self._cache(pieces)  # read by the store's write and by the firing, concurrently
+        store["pieces"] = pieces = self.cache(pieces)  # read by the store's write and by the firing, concurrently
         in_range = (as_param(F.col(WS)) >= param(lo)) & (as_param(F.col(WS)) <= param(hi))
         now = pieces.where(in_range).withColumn("_now", F.lit(True))
         earlier = self.store.in_range("pieces", lo, hi) if self.store is not None else None
@@ -574,7 +605,7 @@ class WindowedBatch:
                 F.collect_list(F.when(F.col("_e_passing"), F.col("_e_ws"))).alias("_in_sink"),
                 F.collect_list(F.when(F.col("_e_ws") != F.col(WS), F.col("_e_ws"))).alias("_absorbed"),
             )
-        due = self._cache(judged.where(~F.col("_unchanged")).withColumn("_passing", windows.passing()))
+        due = self.cache(judged.where(~F.col("_unchanged")).withColumn("_passing", windows.passing()))
         written = windows.sink_rows(due.where(F.col("_passing")))
         if job.upserts:
             retract = due.select(*keys, F.explode(F.filter("_in_sink", lambda s: (s != F.col(WS)) | ~F.col("_passing")))
@@ -606,8 +637,9 @@ class WindowedBatch:
         self._cached.clear()
 
     def cache(self, frame: DataFrame) -> DataFrame:
-        """Keep ``frame`` until :meth:`release` (it is read more than once)."""
-        return self._cache(frame)
+        """Keep ``frame`` until :meth:`release` (it is read more than once); returns it as its cache alone
+        (see ``columns.cached_leaf``)."""
+        return cached_leaf(self._cache(frame))
 
     def _cache(self, frame: DataFrame) -> DataFrame:
         if frame not in self._cached:
@@ -625,8 +657,10 @@ def plan_batch(
     bounded: bool = False,
     event_range_ms: tuple[int, int] | None = None,
     batch_id: int = 0,
+    lines_before: int | None = None,
 ) -> WindowedBatch:
-    """Build the batch's frames from raw lines (``value``, ``source_file`` and, multi-source, ``_source``)."""
+    """Build the batch's frames from raw lines (``value``, ``source_file`` and, multi-source, ``_source``).
+    ``lines_before``: a stream's previous batch's lines (a batch after a large one is expected to be large)."""
     parsed = parse_sources(job, raw, barrier=False)  # (cached before any filter: see ``WindowedBatch._lines``)
     # Only quarantined and late rows report their file. Dropping it elsewhere keeps the batch's
     # cache small: an uncompressed path string per event costs more than all its fields together.
@@ -638,7 +672,7 @@ def plan_batch(
     if bounded:  # the lines are cached: keep only the fields the transform reads (a stream's late rows need all)
         parsed = select(parsed, once("bounded columns", lambda: [F.col(c) for c in _bounded_columns(job, parsed)], job))
     return WindowedBatch(job=job, watermark_in_ms=watermark_in_ms, bounded=bounded, parsed=parsed, store=store,
-                         event_range_ms=event_range_ms, batch_id=batch_id)
+                         event_range_ms=event_range_ms, batch_id=batch_id, expect_large=not bounded and (lines_before or 0) > INTERPRETED_BATCH_LINES)
 
 
 def _expired(job: WindowedJob, f: StoreFile, watermark_ms: int) -> bool:

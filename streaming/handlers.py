@@ -25,6 +25,7 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
+from .columns import cached_leaf, once
 from .declaration import Job, KeyedJob, WindowedJob
 from .engine import INTERPRETED_BATCH_LINES, SMALL_BATCH_LINES, BatchStats, Compaction, compact, compaction_due, maintain, plan_batch
 from .errors import CheckpointCorruptError
@@ -96,9 +97,9 @@ class Output:
 
 
 def _span(frame: DataFrame, column: str, *extra) -> dict:
-    row = frame.agg(F.count(F.lit(1)).alias("n"), F.min(F.unix_millis(column)).alias("lo"),
-                    F.max(F.unix_millis(column)).alias("hi"), *extra).first()
-    return row.asDict()
+    base = once(("span", column), lambda: [F.count(F.lit(1)).alias("n"), F.min(F.unix_millis(column)).alias("lo"),
+                                           F.max(F.unix_millis(column)).alias("hi")])
+    return frame.agg(*base, *extra).first().asDict()
 
 
 class _Handler:
@@ -233,13 +234,16 @@ class WindowedHandler(_Handler):
         # empty subtree, and the metrics node with it, by an empty relation.
         spark.conf.set("spark.sql.adaptive.optimizer.excludedRules",
                        "org.apache.spark.sql.execution.adaptive.AQEPropagateEmptyRelation")
+        # A collect with a limit (the repeated ids) reads every partition in one job, not one and then the rest.
+        spark.conf.set("spark.sql.limit.initialNumPartitions", "1000")
         self._start(spark)
         self._fault("batch-start", batch_id)
         job = self.job
         previous = self.previous(batch_id)
         w_in = watermark_of(previous)
         store = Store(spark, self.layout, previous.store if previous is not None else None, self.store_schemas)
-        batch = plan_batch(job, raw, watermark_in_ms=w_in, store=store, batch_id=batch_id)
+        batch = plan_batch(job, raw, watermark_in_ms=w_in, store=store, batch_id=batch_id,
+                           lines_before=previous.stats.lines if previous is not None else None)
         rows = stored = quarantined = None
         compaction = None
         before: dict[str, str | None] = {}
@@ -283,11 +287,13 @@ class WindowedHandler(_Handler):
             written = deleted = 0
             if fired.rows is not None:
                 rows = fired.rows.persist(StorageLevel.MEMORY_AND_DISK)
-                extra = [F.count(F.when(F.col(OP) == "delete", 1)).alias("deleted")] if OP in rows.columns else []
-                span = _span(rows, "window_start", *extra)
+                kept = cached_leaf(rows)
+                extra = once("deleted", lambda: [F.count(F.when(F.col(OP) == "delete", 1)).alias("deleted")]) \
+                    if OP in rows.columns else []
+                span = _span(kept, "window_start", *extra)
                 deleted = span.get("deleted") or 0
                 written = span["n"] - deleted
-                outputs.append(Output(self.sinks.main, rows, span["n"], deleted, span["lo"], span["hi"],
+                outputs.append(Output(self.sinks.main, kept, span["n"], deleted, span["lo"], span["hi"],
                                       [*job.keys, "window_start"] if job.upserts else None))
             t = timed("fire windows", t)
             tables = self.write(outputs, commit, batch_id)

@@ -28,6 +28,7 @@ from .errors import ConfigError
 from .handlers import BatchResult, FaultFn, KeyedHandler, ProgressFn, StreamReport, WindowedHandler
 from .hadoopfs import HadoopFS
 from .layout import Layout
+from .session import reading_session
 from .keyed.function import PROCESSING_TIME
 from .settings import Settings
 from .tables import job_sinks
@@ -91,6 +92,7 @@ def raw_stream(spark, settings: Settings, job: Job) -> DataFrame:
     """The lines of every source folder of ``job`` as one stream: value, source_file, _source."""
     overrides = settings.job(job.name)
     fs = HadoopFS(spark)
+    spark = reading_session(spark)
     frames = []
     for source in job.sources:
         if source.is_table:
@@ -145,7 +147,7 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
         writer = writer.trigger(availableNow=True)
     else:
         writer = writer.trigger(processingTime=f"{int(interval.total_seconds() * 1000)} milliseconds")
-    query = _start_with_partitions(spark, writer, partitions)
+    query = _start_with_partitions(stream.sparkSession, writer, partitions)  # (the session of its sources)
     report.query_id = str(query.id)
     return query, report
 

@@ -349,21 +349,54 @@ def test_ids_delivered_again_within_a_batch_count_once_and_the_first_line_wins(s
     monkeypatch.setattr(streaming.engine, "MAX_REPEATS", max_repeats)
     if small is not None:  # (these batches are small: make them count as large)
         monkeypatch.setattr(streaming.engine, "INTERPRETED_BATCH_LINES", small)
+    found_in_stats = []  # a batch after a large one finds its repeats in its statistics job
+    find = streaming.engine.WindowedBatch._find_repeats
+    monkeypatch.setattr(streaming.engine.WindowedBatch, "_find_repeats",
+                        lambda self, lines: found_in_stats.append(self.expect_large) or find(self, lines))
     job = job_for(Tumbling(timedelta(minutes=5)), timedelta(0))
     batches = [
         # e1 three times, the same line; e2 twice, differing in amount; e3 once; e4 again in the next batch
         [p(1, 10 * SEC), p(2, 20 * SEC, amount="10.00"), p(1, 10 * SEC), p(3, 30 * SEC, "u2"), p(1, 10 * SEC),
          p(2, 20 * SEC, amount="99.00"), p(4, 40 * SEC)],
-        [p(4, 40 * SEC), p(5, 6 * MIN), p(6, 6 * MIN + SEC, "u2"), p(5, 6 * MIN)],
+        # e7 twice, differing in amount
+        [p(4, 40 * SEC), p(5, 6 * MIN), p(7, 7 * MIN, amount="5.00"), p(6, 6 * MIN + SEC, "u2"), p(5, 6 * MIN),
+         p(7, 7 * MIN, amount="50.00")],
+        [p(8, 11 * MIN, "u3")],  # (moves the watermark past the second window)
     ]
     report, table, late = stream(spark, lake_home, job, batches)
     truth = oracle_run(job, batches)  # (the oracle keeps the first delivery of an id, in arrival order)
 
-    assert report.stats.duplicates == 5 and report.stats.events == 6
+    assert report.stats.duplicates == 6 and report.stats.events == 8
     assert late == [] == truth.late
+    second = ("u1", T0 + 5 * MIN)
     if small is not None and max_repeats > 1:
         assert table == expected(truth)
         assert table[("u1", T0)][1:] == (3, Decimal("30.00")), "e2 counted once, with its first line's amount"
+        assert table[second][1:] == (2, Decimal("15.00")), "e7 counted once, with its first line's amount"
+        assert found_in_stats == [False, True, True], "the batches after the first find repeats in their statistics job"
     else:
         assert {k: v[:2] for k, v in table.items()} == {k: v[:2] for k, v in expected(truth).items()}
         assert table[("u1", T0)][2] in (Decimal("30.00"), Decimal("119.00"))
+        assert table[second][2] in (Decimal("15.00"), Decimal("60.00"))
+
+
+def test_a_cached_frame_as_a_leaf_reads_the_same_rows_from_the_cache_and_after_it_is_dropped(spark):
+    """The batch builds its frames on its caches as plans of one node (``columns.cached_leaf``)."""
+    from pyspark.sql import functions as F
+
+    from streaming.columns import cached_leaf
+
+    data = [(i, f"k{i % 7}") for i in range(100)]
+    frame = spark.createDataFrame(data, "n long, k string").where(F.col("n") % 3 != 0).withColumn("m", F.col("n") * 2)
+    want = sorted((n, k, n * 2) for n, k in data if n % 3 != 0)
+    assert cached_leaf(frame) is frame, "not cached: the frame itself"
+    frame.persist()
+    try:
+        leaf = cached_leaf(frame)
+        plan = leaf._jdf.queryExecution().analyzed()  # noqa: SLF001
+        assert plan.children().isEmpty() and "InMemoryRelation" in plan.getClass().getName()
+        assert sorted(tuple(r) for r in leaf.collect()) == want
+        assert sorted(tuple(r) for r in leaf.where(F.col("k") == "k1").collect()) == [w for w in want if w[1] == "k1"]
+    finally:
+        frame.unpersist()
+    assert sorted(tuple(r) for r in leaf.collect()) == want, "after unpersist: computed again from its lineage"
