@@ -202,7 +202,7 @@ def get_spark(settings: Settings):
 
 # A stream's landing files are read with these settings, in a copy of the session (the session's other
 # queries keep Spark's defaults). Spark divides a batch's bytes by the cores after adding each file's
-# opening cost (4 MB by default), so one 11 MB file was read as 7.5 + 3.5 MB on 2 cores: the parse of a
+# opening cost (4 MB by default), so one 8.8 MB file was read as 6.4 + 2.4 MB on 2 cores: the parse of a
 # 50k-line batch waited ~0.15 s for its larger half. With a small opening cost the halves are even, and
 # a batch of many small files is still packed into about one split per core.
 STREAM_READ_CONF = {"spark.sql.files.openCostInBytes": str(64 * 1024)}
