@@ -28,7 +28,7 @@ from .errors import ConfigError
 from .handlers import BatchResult, FaultFn, KeyedHandler, ProgressFn, StreamReport, WindowedHandler
 from .hadoopfs import HadoopFS
 from .layout import Layout
-from .session import reading_session
+from .session import stream_session
 from .keyed.function import PROCESSING_TIME
 from .settings import Settings
 from .tables import job_sinks
@@ -92,7 +92,7 @@ def raw_stream(spark, settings: Settings, job: Job) -> DataFrame:
     """The lines of every source folder of ``job`` as one stream: value, source_file, _source."""
     overrides = settings.job(job.name)
     fs = HadoopFS(spark)
-    spark = reading_session(spark)
+    spark = stream_session(spark)
     frames = []
     for source in job.sources:
         if source.is_table:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from . import localfs
 from .errors import ConfigError, IcebergJarNotFoundError, JavaNotFoundError
 from .settings import Settings
 
@@ -157,6 +158,10 @@ def spark_conf(settings: Settings) -> dict[str, str]:
     if settings.spark_master.startswith("local"):
         conf.setdefault("spark.driver.memory", "4g")
     conf.update(settings.spark_conf)
+    classes = localfs.classes_dir() if settings.spark_master.startswith("local") else None
+    if classes:  # (a local master's executors share the driver's class path)
+        given = conf.get("spark.driver.extraClassPath")
+        conf["spark.driver.extraClassPath"] = os.pathsep.join(p for p in (given, classes) if p)
     return conf
 
 
@@ -206,21 +211,30 @@ def get_spark(settings: Settings):
 # 50k-line batch waited ~0.15 s for its larger half. With a small opening cost the halves are even, and
 # a batch of many small files is still packed into about one split per core.
 STREAM_READ_CONF = {"spark.sql.files.openCostInBytes": str(64 * 1024)}
+# ... and write local files through ``localfs`` (no forked ``chmod`` per file) when the class is on the
+# driver's class path. Hadoop caches one file system per scheme for the whole JVM, so the stream's
+# session asks for its own instances.
+STREAM_LOCAL_FS_CONF = {"fs.file.impl": localfs.FS_CLASS, "fs.file.impl.disable.cache": "true"}
 
 
-def reading_session(spark):
-    """A copy of ``spark`` (settings, catalogs, temporary views) for a stream's sources, with
-    ``STREAM_READ_CONF`` where the Spark configuration does not set those keys itself. Spark plans each
-    micro-batch's file splits with the settings of the session that created the source."""
+def stream_session(spark):
+    """A copy of ``spark`` (settings, catalogs, temporary views) for a stream: its sources, checkpoint and
+    commits. It has ``STREAM_READ_CONF`` and, when available, ``STREAM_LOCAL_FS_CONF``, where the Spark
+    configuration does not set those keys itself. Spark plans each micro-batch's file splits with the
+    settings of the session that created the source, and a query's files are written with its session's
+    Hadoop configuration."""
     from pyspark.sql import SparkSession
 
     try:
         clone = SparkSession(spark.sparkContext, spark._jsparkSession.cloneSession())  # noqa: SLF001 - Spark 3.5 and 4
-    except Exception:  # noqa: BLE001 - another Spark: read with the session as it is
+    except Exception:  # noqa: BLE001 - another Spark: run with the session as it is
         return spark
     given = spark.sparkContext.getConf()
-    for key, value in STREAM_READ_CONF.items():
-        if not given.contains(key):
+    settings = dict(STREAM_READ_CONF)
+    if localfs.enabled() and localfs.loadable(spark):
+        settings.update(STREAM_LOCAL_FS_CONF)
+    for key, value in settings.items():
+        if not given.contains(key) and not given.contains(f"spark.hadoop.{key}"):
             clone.conf.set(key, value)
     return clone
 
