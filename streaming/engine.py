@@ -35,7 +35,8 @@ from pyspark.sql import Column, DataFrame, Observation, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from .columns import as_param, cached_leaf, group, in_set, once, param, select
+from .columns import as_param, group, in_set, once, param, select
+from .sparkjvm import cached_leaf
 from .declaration import Agg, WindowedJob
 from .errors import DeclarationError
 from .landing import SOURCE
@@ -276,7 +277,7 @@ class WindowedBatch:
     _observation: Observation | None = None
     _lines_seen: Observation | None = None
     _observed_lines: DataFrame | None = None
-    _leaf: DataFrame | None = None  # a stream's cached lines, as a plan of one node (see ``columns.cached_leaf``)
+    _leaf: DataFrame | None = None  # a stream's cached lines, as a plan of one node (see ``sparkjvm.cached_leaf``)
     _windowed: DataFrame | None = None
     _cached: list[DataFrame] = field(default_factory=list)
     quarantined_by_source: dict[str, int] = field(default_factory=dict)
@@ -312,7 +313,7 @@ class WindowedBatch:
                 F.max(F.when(valid, t_ms)).alias("_max_t"), F.min(F.when(valid, t_ms)).alias("_min_t"), *bad, *extra]
 
     def _cached_lines(self) -> DataFrame:
-        """Every parsed line, cached (a stream's: as the cache alone, see ``columns.cached_leaf``)."""
+        """Every parsed line, cached (a stream's: as the cache alone, see ``sparkjvm.cached_leaf``)."""
         self._cache(self.parsed)
         if self.bounded:
             return self.parsed
@@ -638,7 +639,7 @@ class WindowedBatch:
 
     def cache(self, frame: DataFrame) -> DataFrame:
         """Keep ``frame`` until :meth:`release` (it is read more than once); returns it as its cache alone
-        (see ``columns.cached_leaf``)."""
+        (see ``sparkjvm.cached_leaf``)."""
         return cached_leaf(self._cache(frame))
 
     def _cache(self, frame: DataFrame) -> DataFrame:

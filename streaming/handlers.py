@@ -25,7 +25,7 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from .columns import cached_leaf, once
+from .columns import once
 from .declaration import Job, KeyedJob, WindowedJob
 from .engine import INTERPRETED_BATCH_LINES, SMALL_BATCH_LINES, BatchStats, Compaction, compact, compaction_due, maintain, plan_batch
 from .errors import CheckpointCorruptError
@@ -244,7 +244,7 @@ class WindowedHandler(_Handler):
         store = Store(spark, self.layout, previous.store if previous is not None else None, self.store_schemas)
         batch = plan_batch(job, raw, watermark_in_ms=w_in, store=store, batch_id=batch_id,
                            lines_before=previous.stats.lines if previous is not None else None)
-        rows = stored = quarantined = None
+        stored = quarantined = None
         compaction = None
         before: dict[str, str | None] = {}
         try:
@@ -286,10 +286,9 @@ class WindowedHandler(_Handler):
                 outputs.append(Output(self.sinks.late, late, n_late, 0, span["lo"], span["hi"]))
             written = deleted = 0
             if fired.rows is not None:
-                rows = fired.rows.persist(StorageLevel.MEMORY_AND_DISK)
-                kept = cached_leaf(rows)
+                kept = batch.cache(fired.rows)
                 extra = once("deleted", lambda: [F.count(F.when(F.col(OP) == "delete", 1)).alias("deleted")]) \
-                    if OP in rows.columns else []
+                    if OP in kept.columns else []
                 span = _span(kept, "window_start", *extra)
                 deleted = span.get("deleted") or 0
                 written = span["n"] - deleted
@@ -314,8 +313,6 @@ class WindowedHandler(_Handler):
                 if strand is not None:
                     strand.exception()
             _restore(spark, before)
-            if rows is not None:
-                rows.unpersist()
             batch.release()
 
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from . import localfs
+from .sparkjvm import clone_session
 from .errors import ConfigError, IcebergJarNotFoundError, JavaNotFoundError
 from .settings import Settings
 
@@ -223,11 +224,8 @@ def stream_session(spark):
     configuration does not set those keys itself. Spark plans each micro-batch's file splits with the
     settings of the session that created the source, and a query's files are written with its session's
     Hadoop configuration."""
-    from pyspark.sql import SparkSession
-
-    try:
-        clone = SparkSession(spark.sparkContext, spark._jsparkSession.cloneSession())  # noqa: SLF001 - Spark 3.5 and 4
-    except Exception:  # noqa: BLE001 - another Spark: run with the session as it is
+    clone = clone_session(spark)
+    if clone is spark:  # (this Spark cannot clone a session: the stream runs with the session as it is)
         return spark
     given = spark.sparkContext.getConf()
     settings = dict(STREAM_READ_CONF)

@@ -381,10 +381,10 @@ def test_ids_delivered_again_within_a_batch_count_once_and_the_first_line_wins(s
 
 
 def test_a_cached_frame_as_a_leaf_reads_the_same_rows_from_the_cache_and_after_it_is_dropped(spark):
-    """The batch builds its frames on its caches as plans of one node (``columns.cached_leaf``)."""
+    """The batch builds its frames on its caches as plans of one node (``sparkjvm.cached_leaf``)."""
     from pyspark.sql import functions as F
 
-    from streaming.columns import cached_leaf
+    from streaming.sparkjvm import cached_leaf
 
     data = [(i, f"k{i % 7}") for i in range(100)]
     frame = spark.createDataFrame(data, "n long, k string").where(F.col("n") % 3 != 0).withColumn("m", F.col("n") * 2)
