@@ -36,12 +36,12 @@ from pyspark.sql import functions as F
 
 from streaming.declaration import Job, KeyedJob
 from streaming.durations import epoch_ms, from_epoch_ms, iso_ms
-from streaming.engine import BatchStats
+from streaming.windowed.batch import BatchStats
 from streaming.errors import DateRangeError, OwnershipError
 from streaming.settings import Settings
-from streaming.state import EngineState
-from streaming.store import observe, observed
-from streaming.tables import job_sinks, late_time_column, main_time_column
+from streaming.checkpoint.records import EngineState
+from streaming.checkpoint.store import observe, observed
+from streaming.io.tables import job_sinks, late_time_column, main_time_column
 from streaming.windows import Session
 
 from .bounded import compute, read_landing  # noqa: F401 - read_landing is part of this module's API

@@ -20,10 +20,10 @@ from pyspark.sql import functions as F
 
 from streaming.declaration import Job, KeyedJob
 from streaming.durations import from_epoch_ms
-from streaming.engine import POS_INF_MS, BatchStats, parse_sources, plan_batch
+from streaming.windowed.batch import POS_INF_MS, BatchStats, parse_sources, plan_batch
 from streaming.errors import DateRangeError
-from streaming.hadoopfs import HadoopFS
-from streaming.landing import read_source, union
+from streaming.spark.hadoopfs import HadoopFS
+from streaming.io.landing import read_source, union
 from streaming.settings import Settings
 
 
@@ -75,7 +75,7 @@ def compute(spark, settings: Settings, job: Job, lo: int, hi: int, say=lambda _m
             as_of: Mapping[str, int] | None = None) -> Bounded:
     """``as_of``: the snapshot each table source is read at (by source name; default: its current one).
     Windowed jobs: nothing runs until ``main`` is read; keyed jobs run their function here."""
-    from streaming.tables import check_job
+    from streaming.io.tables import check_job
 
     check_job(spark, job)
     raw = read_landing(spark, settings, job, as_of)
@@ -104,7 +104,7 @@ def compute(spark, settings: Settings, job: Job, lo: int, hi: int, say=lambda _m
 
 
 def _keyed(spark, job: KeyedJob, raw: DataFrame, lo: int, hi: int, say, started: float) -> Bounded:
-    from streaming.keyed.spark import bounded_frame, main_schema, split
+    from streaming.spark.keyed import bounded_frame, main_schema, split
 
     parsed = parse_sources(job, raw)
     t_ms = F.unix_millis(F.col(job.source.event_time))

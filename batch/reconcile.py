@@ -31,9 +31,9 @@ from streaming.declaration import Job, KeyedJob, Table
 from streaming.durations import epoch_ms, from_epoch_ms, iso_ms
 from streaming.errors import LakestreamError
 from streaming.settings import Settings
-from streaming.sinks import sink_for
-from streaming.state import EngineState
-from streaming.tables import job_sinks, main_time_column
+from streaming.io.sinks import sink_for
+from streaming.checkpoint.records import EngineState
+from streaming.io.tables import job_sinks, main_time_column
 from streaming.windows import Session
 
 from .bounded import compute
@@ -107,8 +107,8 @@ def stream_snapshots(spark, settings: Settings, job: Job) -> dict[str, int]:
     """The snapshot each table source of ``job`` was read up to by the stream's last committed batch."""
     if not any(s.is_table for s in job.sources):
         return {}
-    from streaming.hadoopfs import HadoopFS
-    from streaming.layout import Layout, table_snapshots
+    from streaming.spark.hadoopfs import HadoopFS
+    from streaming.checkpoint.layout import Layout, table_snapshots
 
     return table_snapshots(HadoopFS(spark), Layout(settings.checkpoint_dir(job.name)), job.sources)
 
@@ -170,7 +170,7 @@ def record_results(spark, settings: Settings, report: ReconcileReport) -> None:
     rows = [(report.job, d.day, report.start, report.end, d.compared, d.matching, d.late, d.in_flight, d.unexplained,
              report.watermark_ms, now) for d in report.days]
     if rows:
-        from streaming.sinks import Commit
+        from streaming.io.sinks import Commit
 
         frame = spark.createDataFrame(rows, RESULT_SCHEMA)
         sink.append(frame, Commit(f"reconcile:{report.job}", int(now.timestamp() * 1000)), may_exist=False)
@@ -178,7 +178,7 @@ def record_results(spark, settings: Settings, report: ReconcileReport) -> None:
 
 def unread_files(settings: Settings, job: Job) -> list[str]:
     """Landing files the stream has not read yet (from its checkpoint's source log)."""
-    from streaming.checkpoint import inspect_job, landing_files
+    from streaming.checkpoint.inspect import inspect_job, landing_files
 
     folders = [settings.landing_dir(s) for s in job.sources if not s.is_table]  # a table: read as of the stream's snapshot
     if not folders:
@@ -202,8 +202,8 @@ def _mark_unread_input(spark, settings: Settings, job: Job, units: DataFrame) ->
     files = unread_files(settings, job)
     if not files:
         return units
-    from streaming.engine import parse_sources, plan_batch
-    from streaming.landing import read_source
+    from streaming.windowed.batch import parse_sources, plan_batch
+    from streaming.io.landing import read_source
 
     raw = None
     for source in (s for s in job.sources if not s.is_table):
@@ -214,7 +214,7 @@ def _mark_unread_input(spark, settings: Settings, job: Job, units: DataFrame) ->
     if raw is None:
         return units
     if isinstance(job, KeyedJob):
-        from streaming.keyed.spark import _transformed
+        from streaming.spark.keyed import _transformed
 
         events = _transformed(job, parse_sources(job, raw), watermark=False)
         keys = [k for k in job.keys if k in units.columns]

@@ -19,11 +19,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batch.backfill import backfill  # noqa: E402
-from streaming.generator import GeneratorConfig, generate  # noqa: E402
+from lakestream.generator import GeneratorConfig, generate  # noqa: E402
 from streaming.jobs import get_job  # noqa: E402
-from streaming.session import get_spark  # noqa: E402
+from streaming.spark.session import get_spark  # noqa: E402
 from streaming.settings import Settings  # noqa: E402
-from streaming.tables import all_tables  # noqa: E402
+from streaming.io.tables import all_tables  # noqa: E402
 
 
 def main() -> int:

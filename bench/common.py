@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyspark.sql import functions as F  # noqa: E402
 
-from streaming.layout import Layout, log_lines, numbered, source_log_entries, source_log_files  # noqa: E402
-from streaming.parse import AMOUNT_TYPE  # noqa: E402
+from streaming.checkpoint.layout import Layout, log_lines, numbered, source_log_entries, source_log_files  # noqa: E402
+from streaming.io.parse import AMOUNT_TYPE  # noqa: E402
 
 PLAIN_TABLE = "lake.bench.plain_purchase_metrics"
 SCHEMA = (

@@ -41,12 +41,12 @@ from common import Payments, latency, run_plain_bounded, start_plain, write_file
 from streaming.declaration import Table  # noqa: E402
 from streaming.jobs import get_job  # noqa: E402
 from streaming.keyed import KeyedProcessFunction  # noqa: E402
-from streaming.layout import Layout, numbered  # noqa: E402
-from streaming.runner import run_stream  # noqa: E402
-from streaming.session import get_spark  # noqa: E402
+from streaming.checkpoint.layout import Layout, numbered  # noqa: E402
+from streaming.run.runner import run_stream  # noqa: E402
+from streaming.spark.session import get_spark  # noqa: E402
 from streaming.settings import Settings  # noqa: E402
-from streaming.standalone import standalone_cluster  # noqa: E402
-from streaming.tables import all_tables  # noqa: E402
+from streaming.spark.standalone import standalone_cluster  # noqa: E402
+from streaming.io.tables import all_tables  # noqa: E402
 
 BASE_MS = int(datetime(2026, 11, 20, tzinfo=timezone.utc).timestamp() * 1000)
 RESULTS: list[tuple[str, str, str, str]] = []  # (section, plain, lakestream, verdict)

@@ -32,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import plain_metrics  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
-from streaming.generator import GeneratorConfig, generate  # noqa: E402
+from lakestream.generator import GeneratorConfig, generate  # noqa: E402
 from streaming.jobs import get_job  # noqa: E402
-from streaming.parse import AMOUNT_TYPE  # noqa: E402
-from streaming.runner import run_stream  # noqa: E402
-from streaming.session import get_spark  # noqa: E402
+from streaming.io.parse import AMOUNT_TYPE  # noqa: E402
+from streaming.run.runner import run_stream  # noqa: E402
+from streaming.spark.session import get_spark  # noqa: E402
 from streaming.settings import Settings  # noqa: E402
-from streaming.tables import all_tables  # noqa: E402
+from streaming.io.tables import all_tables  # noqa: E402
 
 STEPS: list[dict[str, float]] = []  # per lakestream run: seconds per step of the batch handler
 PLAIN_TABLE = "lake.bench.plain_purchase_metrics"

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import dagster as dg
 
-from streaming.checkpoint import CheckpointReport, inspect_checkpoint, inspect_job
+from streaming.checkpoint.inspect import CheckpointReport, inspect_checkpoint, inspect_job
 from streaming.declaration import Job, Source
 from streaming.settings import Settings
 

@@ -20,7 +20,7 @@ import yaml
 from dagster_dbt import DagsterDbtTranslator, DbtCliResource, DbtProject, dbt_assets
 
 from streaming.errors import ConfigError
-from streaming.session import spark_conf
+from streaming.spark.session import spark_conf
 from streaming.settings import Settings
 
 DBT_DIR = Path(__file__).resolve().parents[1] / "dbt"  # the built-in example project's dbt project

@@ -9,7 +9,7 @@ import os
 import dagster as dg
 
 from streaming.declaration import Job
-from streaming.runner import describe_watermark
+from streaming.run.runner import describe_watermark
 
 from .tables import table_key
 

@@ -11,8 +11,8 @@ from dagster_pyspark import LazyPySparkResource
 from dagster_pyspark.resources import spark_session_from_config
 from pydantic import Field
 
-from streaming import session as spark_session
-from streaming.session import check_java, prepare_environment, spark_conf
+from streaming.spark import session as spark_session
+from streaming.spark.session import check_java, prepare_environment, spark_conf
 from streaming.settings import Settings
 
 

@@ -28,7 +28,7 @@ from .tables import table_key
 def savepoint_job(jobs: list[Job]) -> dg.JobDefinition:
     @dg.op(name="take_savepoints", description="Stop every running stream with a savepoint and mark it to resume from it.")
     def take_savepoints(context: dg.OpExecutionContext, lakestream: LakestreamResource, pyspark: LazyPySparkResource):
-        from streaming.savepoints import Savepoints
+        from streaming.checkpoint.savepoints import Savepoints
 
         settings = lakestream.settings()
         # Every stream that should run is paused first (so the supervisor leaves them all alone, and

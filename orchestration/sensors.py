@@ -19,7 +19,7 @@ import time
 
 import dagster as dg
 
-from streaming.checkpoint import inspect_job
+from streaming.checkpoint.inspect import inspect_job
 from streaming.declaration import Job
 
 from .checks import health_evaluation

@@ -30,10 +30,10 @@ from pydantic import Field
 
 from streaming.declaration import Job
 from streaming.durations import parse_duration
-from streaming.handlers import BatchResult
+from streaming.run.commit import BatchResult
 from streaming.jobs import get_job
-from streaming.runner import describe_watermark, run_streams
-from streaming.tables import job_sinks
+from streaming.run.runner import describe_watermark, run_streams
+from streaming.io.tables import job_sinks
 
 from .resources import LakestreamResource
 from .tables import day_keys, stream_key, table_key
@@ -217,7 +217,7 @@ def _run_streams(context: dg.OpExecutionContext, names: list[str], config, from_
     declared = [get_job(name, settings) for name in names]
     spark = lakestream.spark(pyspark)
     if from_savepoints:
-        from streaming.savepoints import Savepoints
+        from streaming.checkpoint.savepoints import Savepoints
 
         for job in declared:
             if from_savepoints.get(job.name):
@@ -282,7 +282,7 @@ def _run_streams(context: dg.OpExecutionContext, names: list[str], config, from_
         if report.totals is not None:
             watermark = report.totals.watermark_out_ms
         else:  # no batch this run: the checkpoint still holds the stream's watermark
-            from streaming.checkpoint import inspect_job
+            from streaming.checkpoint.inspect import inspect_job
 
             watermark = inspect_job(settings, get_job(report.job, settings)).watermark_ms
         context.log.info(f"{report.job}: {report.batches} batch(es), {s.lines:,} lines, {s.rows_written:,} rows "

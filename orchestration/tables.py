@@ -10,7 +10,7 @@ from datetime import date, datetime, timedelta, timezone
 
 import dagster as dg
 
-from streaming.checkpoint import inspect_checkpoint, landing_files
+from streaming.checkpoint.inspect import inspect_checkpoint, landing_files
 from streaming.declaration import Job, Source, Table
 from streaming.settings import Settings
 
@@ -56,7 +56,7 @@ def day_keys(first_ms: int | None, last_ms: int | None, partitions_def: dg.Daily
 def columns(settings: Settings, table: Table, fmt: str) -> dg.TableSchema | None:
     """The table's columns from its metadata files (Iceberg hadoop catalog or Delta log, on local disk or
     an object store through fsspec), or None."""
-    from streaming.checkpoint import Tree
+    from streaming.checkpoint.inspect import Tree
 
     name = table.name.split(".")[2]
     try:

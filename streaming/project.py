@@ -12,7 +12,7 @@ A project is a Python package (usually a folder made by ``lakestream new``) name
       dbt/              # optional: a dbt project over the job tables (Dagster shows its models)
 
 Without a project setting, the built-in example project runs: payments and logins with the fraud
-jobs (``streaming/sources.py``, ``streaming/jobs/``), which is what ``make demo`` shows.
+jobs (``streaming/jobs/sources.py``, ``streaming/jobs/``), which is what ``make demo`` shows.
 
 Loading checks that the declarations fit together and says what is wrong in one line: a module that
 does not import, two jobs of one name, a job that reads a source the project does not declare, two
@@ -36,7 +36,7 @@ from .declaration import Job, KeyedJob, Source, WindowedJob
 from .errors import ProjectError
 
 BUILTIN = "streaming.jobs"
-_BUILTIN_SOURCES = "streaming.sources"
+_BUILTIN_SOURCES = "streaming.jobs.sources"
 
 
 @dataclass(frozen=True)

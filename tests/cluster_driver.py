@@ -11,8 +11,8 @@ from datetime import datetime, timedelta
 
 from batch.backfill import backfill
 from streaming.jobs import get_job
-from streaming.runner import run_stream
-from streaming.session import get_spark
+from streaming.run.runner import run_stream
+from streaming.spark.session import get_spark
 from streaming.settings import Settings
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from streaming.generator import GeneratorConfig, generate
+from lakestream.generator import GeneratorConfig, generate
 from streaming.settings import Settings
 
 
@@ -21,7 +21,7 @@ def warehouse(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def spark(warehouse):
-    from streaming.session import get_spark, stop_spark
+    from streaming.spark.session import get_spark, stop_spark
 
     settings = Settings.load({"LAKESTREAM_HOME": str(warehouse.parent / "session-home")})
     settings = _with_warehouse(settings, warehouse)

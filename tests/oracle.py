@@ -1,6 +1,6 @@
 """Independent oracles: plain Python over the landing-zone files, written without lakestream code.
 
-* ``validate`` re-states the payments record contract from the issue (not from streaming/parse.py).
+* ``validate`` re-states the payments record contract from the issue (not from streaming/io/parse.py).
 * ``bounded_windows`` is the batch truth: every valid event, duplicates removed, grouped per user
   and 5-minute window (pandas).
 * ``replay_stream`` replays the files in arrival order, one file per micro-batch, with Spark's

@@ -1,6 +1,6 @@
 """Independent oracle for windowed jobs: plain Python, Flink's rules, replayed batch by batch.
 
-Written from the semantics in the issue (not from streaming/engine.py):
+Written from the semantics in the issue (not from streaming/windowed/batch.py):
 
 * windows are ``[start, end)``; tumbling ``[k*size, ...)``, sliding ``[k*every, k*every + size)``,
   sessions ``[first, last + gap)`` where windows of a key that overlap or touch merge;

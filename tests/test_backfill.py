@@ -19,10 +19,10 @@ from batch.backfill import backfill, final_horizon_ms
 from batch.reconcile import reconcile
 from streaming.durations import epoch_ms
 from streaming.errors import OwnershipError
-from streaming.generator import generate
+from lakestream.generator import generate
 from streaming.jobs import get_job
-from streaming.runner import run_stream
-from streaming.tables import job_sinks
+from streaming.run.runner import run_stream
+from streaming.io.tables import job_sinks
 from tests import oracle
 from tests.conftest import SMALL
 
@@ -126,7 +126,7 @@ def test_a_backfill_beside_the_live_stream_keeps_both_writers_commits(spark, lak
     feeder.start()
     backfill(spark, settings, job, DAY1, DAY2, progress=None)
     feeder.join(timeout=120)
-    from streaming.checkpoint import inspect_checkpoint
+    from streaming.checkpoint.inspect import inspect_checkpoint
 
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
@@ -156,7 +156,7 @@ def test_a_backfill_beside_the_live_stream_keeps_both_writers_commits(spark, lak
 
 
 def test_reconciliation_explains_late_and_in_flight_differences_and_finds_deleted_rows(spark, small_landing):
-    from streaming.cli import main
+    from lakestream.cli import main
 
     settings = small_landing.with_job(JOB, max_files_per_trigger=3)
     job = get_job(JOB, settings)

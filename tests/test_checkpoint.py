@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from streaming.checkpoint import Thresholds, inspect_checkpoint
+from streaming.checkpoint.inspect import Thresholds, inspect_checkpoint
 from streaming.jobs import get_job
-from streaming.runner import run_stream
+from streaming.run.runner import run_stream
 from tests import oracle
 from tests.conftest import SMALL, settings_for
 
@@ -39,7 +39,7 @@ def _batches_of(files: list[Path], k: int) -> list[list[str]]:
 @pytest.fixture(scope="module")
 def healthy(spark, tmp_path_factory):
     """A stream that consumed a landing zone in batches of 4 files; returns (settings, report, files)."""
-    from streaming.generator import generate
+    from lakestream.generator import generate
     from tests.conftest import drop_job_tables
 
     drop_job_tables(spark)
@@ -156,7 +156,7 @@ def _inspect_copy(checkpoint: Path, landing: Path):
 
 
 def test_a_run_that_died_inside_a_batch_leaves_that_batch_in_flight(spark, lake):
-    from streaming.generator import generate
+    from lakestream.generator import generate
 
     settings = lake.with_job(JOB, max_files_per_trigger=FILES_PER_BATCH)
     generate(SMALL, settings.landing, sources=("payments",))
@@ -216,7 +216,7 @@ def test_missing_checkpoint_and_deleted_metadata(tmp_path, healthy):
 
 def _cli(settings, *argv):
     return subprocess.run(
-        [sys.executable, "-m", "streaming.cli", "--home", str(Path(settings.landing).parent), *argv],
+        [sys.executable, "-m", "lakestream.cli", "--home", str(Path(settings.landing).parent), *argv],
         capture_output=True, text=True, timeout=60,
         env={k: v for k, v in os.environ.items() if k != "LAKESTREAM_CONFIG"},
     )

@@ -11,7 +11,7 @@ import pytest
 
 def lakestream(*args: str, env: dict | None = None, home: str = "/tmp/lakestream-cli-test") -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "streaming.cli", "--home", home, *args],
+        [sys.executable, "-m", "lakestream.cli", "--home", home, *args],
         capture_output=True, text=True, timeout=120, env=env or dict(os.environ),
     )
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from streaming.generator import generate
-from streaming.standalone import standalone_cluster
+from lakestream.generator import generate
+from streaming.spark.standalone import standalone_cluster
 from tests import oracle
 from tests import oracle_jobs as oj
 from tests.conftest import SMALL

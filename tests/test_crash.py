@@ -43,7 +43,7 @@ def _child(home: Path, pause_at: str | None, pause_dir: Path, available_now: boo
     env.pop("LAKESTREAM_PAUSE_AT", None)
     if pause_at:
         env["LAKESTREAM_PAUSE_AT"] = pause_at
-    cmd = [sys.executable, "-m", "streaming.cli", "--home", str(home), "run", JOB]
+    cmd = [sys.executable, "-m", "lakestream.cli", "--home", str(home), "run", JOB]
     if available_now:
         cmd.append("--available-now")
     log = open(home / "child.log", "a")
@@ -79,7 +79,7 @@ def _feeder(files: list[Path], landing: Path, stop: threading.Event) -> threadin
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["iceberg", "delta"])
 def test_sigkill_at_random_moments_never_duplicates_or_loses_a_row(spark, warehouse, tmp_path, fmt):
-    from streaming.generator import generate
+    from lakestream.generator import generate
 
     drop_job_tables(spark)
     home = tmp_path / "home"

@@ -180,7 +180,7 @@ def test_materializing_a_partition_runs_the_bounded_twin_and_reports_reconciliat
     one per day, linked to the day's materialization; the same day materialized again (retries,
     schedules) works every time (it used to fail on a UNIQUE constraint of runless evaluations)."""
     from streaming.jobs import get_job
-    from streaming.runner import run_stream
+    from streaming.run.runner import run_stream
 
     settings = write_config(small_landing, {"purchase_metrics": {"max_files_per_trigger": 6}})
     run_stream(spark, settings, get_job("purchase_metrics", settings), available_now=True, progress=None,
@@ -221,7 +221,7 @@ def test_a_day_the_stream_still_writes_is_refused_with_the_launchpad_fix(spark, 
     """Without ``force`` a day the live stream still owns fails the run with a ``dg.Failure`` that
     names the run config to set, and nothing is replaced."""
     from streaming.jobs import get_job
-    from streaming.runner import run_stream
+    from streaming.run.runner import run_stream
 
     settings = write_config(small_landing, {"purchase_metrics": {"max_files_per_trigger": 6}})
     run_stream(spark, settings, get_job("purchase_metrics", settings), available_now=True, progress=None,
@@ -250,8 +250,8 @@ def test_dbt_builds_the_marts_on_the_session_and_they_match_pandas(spark, small_
 
     from orchestration.dbt import DBT_DIR, write_profiles
     from streaming.jobs import registry
-    from streaming.runner import run_stream
-    from streaming.tables import job_sinks
+    from streaming.run.runner import run_stream
+    from streaming.io.tables import job_sinks
 
     settings = small_landing.with_job("purchase_metrics", max_files_per_trigger=6)
     for job in registry().values():
@@ -279,7 +279,7 @@ def test_dbt_builds_the_marts_on_the_session_and_they_match_pandas(spark, small_
 @pytest.fixture
 def streamed(spark, small_landing):
     from streaming.jobs import get_job
-    from streaming.runner import run_stream
+    from streaming.run.runner import run_stream
 
     settings = write_config(small_landing, {"purchase_metrics": {"max_files_per_trigger": 6}})
     run_stream(spark, settings, get_job("purchase_metrics", settings), available_now=True, progress=None,
@@ -368,7 +368,7 @@ def test_savepoint_before_deploy_stops_the_stream_and_the_supervisor_resumes_fro
     import threading
 
     from streaming.jobs import get_job
-    from streaming.runner import run_stream
+    from streaming.run.runner import run_stream
 
     settings = write_config(small_landing, {"purchase_metrics": {"max_files_per_trigger": 2, "trigger_interval": "1s"}})
     job = get_job("purchase_metrics", settings)

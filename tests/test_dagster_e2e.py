@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from streaming.checkpoint import inspect_checkpoint
+from streaming.checkpoint.inspect import inspect_checkpoint
 from tests.conftest import SMALL
 
 pytestmark = pytest.mark.slow
@@ -159,7 +159,7 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    from streaming.generator import generate
+    from lakestream.generator import generate
 
     servers = Servers(tmp_path_factory.mktemp("e2e"))
     generate(SMALL, servers.lake / "landing", sources=("payments",))

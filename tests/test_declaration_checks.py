@@ -12,8 +12,8 @@ from pyspark.sql import functions as F
 from batch.backfill import backfill
 from streaming.declaration import Agg, Table, Watermark, WindowedJob
 from streaming.errors import DeclarationError
-from streaming.runner import run_stream
-from streaming.sources import PAYMENTS
+from streaming.run.runner import run_stream
+from streaming.jobs.sources import PAYMENTS
 from streaming.windows import Tumbling
 from tests.landing import T0, payment, write_batches
 

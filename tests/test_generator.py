@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 from datetime import datetime, timedelta
 
-from streaming.generator import GeneratorConfig, generate
+from lakestream.generator import GeneratorConfig, generate
 from tests import oracle
 
 CFG = GeneratorConfig(seed=3, duration=timedelta(minutes=10), rate=20, users=30, late_fraction=0.05,

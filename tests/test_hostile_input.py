@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from streaming.generator import GeneratorConfig, generate
+from lakestream.generator import GeneratorConfig, generate
 from streaming.jobs import get_job
-from streaming.runner import run_stream
-from streaming.tables import job_sinks
+from streaming.run.runner import run_stream
+from streaming.io.tables import job_sinks
 from tests import oracle
 from tests.conftest import drop_job_tables, settings_for
 
@@ -132,7 +132,7 @@ def test_a_file_truncated_between_planning_and_reading_keeps_the_stream_going(sp
     """A producer cuts a landing file short (mid-line) after Spark planned the batch that reads it: the
     batch reads what is there, the cut line is quarantined, and inspection names the file as changed
     after it was read."""
-    from streaming.checkpoint import inspect_job
+    from streaming.checkpoint.inspect import inspect_job
     from tests.conftest import SMALL
 
     settings = settings_for(tmp_path).with_job("purchase_metrics", max_files_per_trigger=3)

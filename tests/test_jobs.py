@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from batch.backfill import backfill
-from streaming.generator import GeneratorConfig, generate
+from lakestream.generator import GeneratorConfig, generate
 from streaming.jobs import get_job
-from streaming.runner import run_stream
-from streaming.tables import job_sinks
+from streaming.run.runner import run_stream
+from streaming.io.tables import job_sinks
 from tests import oracle_jobs as oj
 from tests.conftest import drop_job_tables, settings_for
 from tests.oracle_windows import Win, bounded_windows, replay_windows

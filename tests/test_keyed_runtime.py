@@ -252,7 +252,7 @@ def test_state_written_by_the_earlier_format_resumes_with_its_buffer_and_ids():
     from datetime import datetime, timezone
     from decimal import Decimal
 
-    from streaming.keyed.spark import _decoder
+    from streaming.spark.keyed import _decoder
 
     class Echo(KeyedProcessFunction):
         def process_element(self, value, ctx):

@@ -20,8 +20,8 @@ from streaming.keyed import (
     TtlConfig,
     ValueStateDescriptor,
 )
-from streaming.runner import run_stream
-from streaming.sources import PAYMENTS
+from streaming.run.runner import run_stream
+from streaming.jobs.sources import PAYMENTS
 from tests.conftest import drop_job_tables
 from tests.landing import MIN, SEC, T0, payment, write_batches
 
@@ -103,8 +103,8 @@ def test_a_checkpoint_of_the_earlier_layout_resumes_with_its_64_key_buckets(spar
     import json
     from pathlib import Path
 
-    from streaming.keyed import spark as keyed_spark
-    from streaming.layout import Layout
+    from streaming.spark import keyed as keyed_spark
+    from streaming.checkpoint.layout import Layout
 
     drop_job_tables(spark, namespaces=("test",))
     job = reminder_job()
@@ -139,7 +139,7 @@ def test_a_checkpoint_of_the_earlier_layout_resumes_with_its_64_key_buckets(spar
 def test_a_new_keyed_stream_spreads_its_buckets_evenly_over_the_shuffle_partitions(spark):
     """Bucket numbers 0..15 hash 3, 3, 4 and 6 to four partitions; a new stream's bucket labels put the
     same number in each (checked with Spark's own hash partitioning, as the state function's shuffle does)."""
-    from streaming.keyed import spark as keyed_spark
+    from streaming.spark import keyed as keyed_spark
 
     for partitions in (2, 4, 3):
         buckets = keyed_spark.BUCKETS_PER_PARTITION * partitions
@@ -160,7 +160,7 @@ def test_ttl_and_fired_timers_leave_no_state_behind(spark, lake):
     batches = [[p(i, i * SEC, f"u{i}") for i in range(30)]]
     batches += [[p(100 + m, m * MIN, "u0")] for m in range(2, 22, 4)]
     write_batches(lake.landing_dir("payments"), batches)
-    from streaming.runner import start_stream
+    from streaming.run.runner import start_stream
 
     settings = lake.with_job(job.name, max_files_per_trigger=1)
     query, report = start_stream(spark, settings, job, available_now=True)
@@ -221,8 +221,8 @@ def test_processing_time_timers_fire_on_the_batch_clock_without_new_input(spark,
 def test_a_new_keyed_stream_on_a_local_master_takes_no_more_partitions_than_cores_and_keeps_them(spark, lake):
     """Configured with more shuffle partitions than the machine has cores, a new keyed stream starts with
     one per core (the offset log records it, the session keeps its setting) and resumes with it."""
-    from streaming.compat import stored_shuffle_partitions
-    from streaming.hadoopfs import HadoopFS
+    from streaming.checkpoint.compat import stored_shuffle_partitions
+    from streaming.spark.hadoopfs import HadoopFS
 
     drop_job_tables(spark, namespaces=("test",))
     job = reminder_job()

@@ -5,8 +5,8 @@ import stat
 
 import pytest
 
-from streaming import localfs
-from streaming.session import stream_session
+from streaming.spark import localfs
+from streaming.spark.session import stream_session
 
 needs_javac = pytest.mark.skipif(localfs._javac() is None, reason="no javac on this machine")  # noqa: SLF001
 

@@ -19,10 +19,10 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = """
 import json, os, sys
-from streaming.generator import generate
+from lakestream.generator import generate
 from streaming.jobs import get_job
-from streaming.runner import run_stream
-from streaming.session import get_spark, java_major_version
+from streaming.run.runner import run_stream
+from streaming.spark.session import get_spark, java_major_version
 from streaming.settings import Settings
 from tests.conftest import SMALL
 

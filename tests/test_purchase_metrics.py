@@ -14,7 +14,7 @@ import pytest
 from batch.backfill import backfill
 from streaming.durations import epoch_ms
 from streaming.jobs import get_job
-from streaming.runner import run_stream
+from streaming.run.runner import run_stream
 from tests import oracle
 from tests.conftest import SMALL
 
@@ -62,7 +62,7 @@ class Streamed:
 
 @pytest.fixture(scope="module")
 def streamed(spark, tmp_path_factory) -> Streamed:
-    from streaming.generator import generate
+    from lakestream.generator import generate
 
     from tests.conftest import drop_job_tables, settings_for
 
@@ -164,7 +164,7 @@ def test_every_line_is_either_an_event_or_quarantined_with_a_reason(streamed):
 
 
 def test_restart_continues_where_it_left_off_without_duplicate_windows(spark, lake, tmp_path):
-    from streaming.generator import generate
+    from lakestream.generator import generate
 
     staging = tmp_path / "staging"
     generate(SMALL, staging, sources=("payments",))
@@ -223,7 +223,7 @@ def test_a_batch_that_fails_between_commits_is_replayed_exactly_once(spark, smal
 def test_transform_runs_unchanged_on_a_streaming_frame(spark, small_landing):
     from pyspark.sql import functions as F
 
-    from streaming.parse import parse
+    from streaming.io.parse import parse
 
     job = get_job(JOB)
     raw = spark.readStream.format("text").load(small_landing.landing_dir("payments"))

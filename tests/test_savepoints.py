@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from streaming.compat import differences
+from streaming.checkpoint.compat import differences
 from streaming.declaration import Table
 from streaming.windows import Tumbling
 from streaming.errors import IncompatibleStateError, SavepointError
-from streaming.generator import generate
+from lakestream.generator import generate
 from streaming.jobs import get_job
-from streaming.runner import run_stream
-from streaming.savepoints import Savepoints
-from streaming.sinks import IcebergSink, sink_for
-from streaming.tables import all_tables
+from streaming.run.runner import run_stream
+from streaming.checkpoint.savepoints import Savepoints
+from streaming.io.sinks import IcebergSink, sink_for
+from streaming.io.tables import all_tables
 from tests import oracle
 from tests.conftest import SMALL
 from tests.test_purchase_metrics import table_windows

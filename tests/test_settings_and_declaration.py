@@ -10,7 +10,7 @@ from streaming.declaration import Agg, Table, Watermark
 from streaming.windows import Tumbling
 from streaming.errors import ConfigError, DeclarationError
 from streaming.jobs import get_job, registry
-from streaming.session import spark_conf
+from streaming.spark.session import spark_conf
 from streaming.settings import Settings
 
 
@@ -97,7 +97,7 @@ def test_window_declarations_validate_and_suggest_the_fix():
 def test_a_changed_keyed_state_declaration_is_named_by_the_compatibility_guard():
     from dataclasses import replace
 
-    from streaming.compat import differences
+    from streaming.checkpoint.compat import differences
     from streaming.keyed import KeyedProcessFunction, TtlConfig, ValueStateDescriptor
 
     job = registry()["large_amount_alerts"]

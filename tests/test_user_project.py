@@ -24,7 +24,7 @@ import pytest
 from streaming.declaration import Agg, Field, Source, Table, Watermark, WindowedJob
 from streaming.errors import ProjectError
 from streaming.project import load
-from streaming.testing import JobHarness
+from lakestream.testing import JobHarness
 from streaming.windows import Tumbling
 
 REPO = Path(__file__).resolve().parents[1]
@@ -413,7 +413,7 @@ def test_lakestream_new_makes_a_project_whose_test_passes_and_which_the_cli_runs
     env = {k: v for k, v in os.environ.items() if not k.startswith("LAKESTREAM_")}
 
     def cli(*args, cwd):
-        done = subprocess.run([sys.executable, "-m", "streaming.cli", *args], cwd=cwd, env=env, capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "lakestream.cli", *args], cwd=cwd, env=env, capture_output=True,
                               text=True, timeout=600)
         assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-3000:])
         return done.stdout
@@ -597,7 +597,7 @@ def test_a_table_source_stream_killed_at_every_commit_point_ends_exactly_once(sp
     reached = []
     for point in points:
         child = subprocess.Popen(
-            [sys.executable, "-m", "streaming.cli", "--home", str(home), "run", "crash_gold", "--available-now"],
+            [sys.executable, "-m", "lakestream.cli", "--home", str(home), "run", "crash_gold", "--available-now"],
             env={**env, "LAKESTREAM_PAUSE_AT": point, "LAKESTREAM_PAUSE_DIR": str(pauses),
                  "LAKESTREAM_PAUSE_SECONDS": "120"},
             stdout=open(home / "child.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -607,7 +607,7 @@ def test_a_table_source_stream_killed_at_every_commit_point_ends_exactly_once(sp
             marker.unlink()
         if child.poll() is None:
             _kill(child)
-    final = subprocess.run([sys.executable, "-m", "streaming.cli", "--home", str(home), "run", "crash_gold",
+    final = subprocess.run([sys.executable, "-m", "lakestream.cli", "--home", str(home), "run", "crash_gold",
                             "--available-now"], env=env, capture_output=True, text=True, timeout=600)
     assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-2000:]
     assert len(reached) >= 4, (reached, (home / "child.log").read_text()[-3000:])

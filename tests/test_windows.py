@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from batch.backfill import backfill
 from streaming.declaration import Agg, Table, Watermark, WindowedJob
 from streaming.durations import from_epoch_ms
-from streaming.runner import run_stream
-from streaming.sources import PAYMENTS
+from streaming.run.runner import run_stream
+from streaming.jobs.sources import PAYMENTS
 from streaming.windows import Session, Sliding, Tumbling
 from tests.conftest import drop_job_tables
 from tests.landing import MIN, SEC, T0, payment, with_t, write_batches
@@ -252,8 +252,8 @@ def many_batches(n: int = 30) -> list[list[dict]]:
                          ids=["tumbling", "session"])
 def test_a_stream_of_more_batches_than_the_store_keeps_files_compacts_alongside_and_loses_nothing(spark, lake_home,
                                                                                                 window):
-    from streaming.layout import Layout
-    from streaming.store import COMPACT_EVERY
+    from streaming.checkpoint.layout import Layout
+    from streaming.checkpoint.store import COMPACT_EVERY
 
     batches = many_batches()
     assert len(batches) > COMPACT_EVERY + 4
@@ -271,20 +271,20 @@ def test_a_stream_of_more_batches_than_the_store_keeps_files_compacts_alongside_
 def test_ids_remembered_in_minute_buckets_by_an_earlier_version_still_catch_re_deliveries(spark, lake_home, monkeypatch):
     """Checkpoints written before remembered ids had one-second buckets keep their one-minute files:
     a stream resumed on them still finds re-deliveries of the events they hold."""
-    import streaming.columns
-    import streaming.store
+    import streaming.spark.columns
+    import streaming.checkpoint.store
 
     batches = many_batches()
     folder = lake_home.landing_dir("payments")
 
     def run(job):
-        streaming.columns._BUILT.clear()  # noqa: SLF001 - expressions built with the other bucket width
+        streaming.spark.columns._BUILT.clear()  # noqa: SLF001 - expressions built with the other bucket width
         settings = lake_home.with_job(job.name, max_files_per_trigger=1)
         return run_stream(spark, settings, job, available_now=True, progress=None, install_signal_handlers=False)
 
     window, lateness = Tumbling(timedelta(minutes=2)), timedelta(minutes=1)
     with monkeypatch.context() as m:
-        m.setattr(streaming.store, "BUCKET_MS", streaming.store.LEGACY_BUCKET_MS)
+        m.setattr(streaming.checkpoint.store, "BUCKET_MS", streaming.checkpoint.store.LEGACY_BUCKET_MS)
         write_batches(folder, batches[:10])
         first = run(job_for(window, lateness))
     write_batches(folder, batches[10:], start=10)
@@ -302,7 +302,7 @@ def test_a_backfill_whose_transform_reads_fields_it_drops_keeps_them_for_it(spar
     filter sees nulls). Checked against a plain-Python count over the same events."""
     from pyspark.sql import functions as F
 
-    from streaming.engine import parse_sources, transform_inputs
+    from streaming.windowed.batch import parse_sources, transform_inputs
 
     def euro_cards(frame):
         kept = frame.where((F.col("currency") == "EUR") & F.col("card_id").startswith("c-"))
@@ -344,14 +344,14 @@ def test_ids_delivered_again_within_a_batch_count_once_and_the_first_line_wins(s
     """A stream's batch drops repeats within it by their hashes, without a shuffle, keeping the first line
     of an id; with more repeated ids than it filters (``MAX_REPEATS``), or in a small batch, it uses
     ``dropDuplicates``, which keeps one line of each, any."""
-    import streaming.engine
+    import streaming.windowed.batch
 
-    monkeypatch.setattr(streaming.engine, "MAX_REPEATS", max_repeats)
+    monkeypatch.setattr(streaming.windowed.batch, "MAX_REPEATS", max_repeats)
     if small is not None:  # (these batches are small: make them count as large)
-        monkeypatch.setattr(streaming.engine, "INTERPRETED_BATCH_LINES", small)
+        monkeypatch.setattr(streaming.windowed.batch, "INTERPRETED_BATCH_LINES", small)
     found_in_stats = []  # a batch after a large one finds its repeats in its statistics job
-    find = streaming.engine.WindowedBatch._find_repeats
-    monkeypatch.setattr(streaming.engine.WindowedBatch, "_find_repeats",
+    find = streaming.windowed.batch.WindowedBatch._find_repeats
+    monkeypatch.setattr(streaming.windowed.batch.WindowedBatch, "_find_repeats",
                         lambda self, lines: found_in_stats.append(self.expect_large) or find(self, lines))
     job = job_for(Tumbling(timedelta(minutes=5)), timedelta(0))
     batches = [
@@ -381,10 +381,10 @@ def test_ids_delivered_again_within_a_batch_count_once_and_the_first_line_wins(s
 
 
 def test_a_cached_frame_as_a_leaf_reads_the_same_rows_from_the_cache_and_after_it_is_dropped(spark):
-    """The batch builds its frames on its caches as plans of one node (``sparkjvm.cached_leaf``)."""
+    """The batch builds its frames on its caches as plans of one node (``spark.jvm.cached_leaf``)."""
     from pyspark.sql import functions as F
 
-    from streaming.sparkjvm import cached_leaf
+    from streaming.spark.jvm import cached_leaf
 
     data = [(i, f"k{i % 7}") for i in range(100)]
     frame = spark.createDataFrame(data, "n long, k string").where(F.col("n") % 3 != 0).withColumn("m", F.col("n") * 2)

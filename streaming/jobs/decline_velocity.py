@@ -11,7 +11,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from streaming.declaration import Agg, Table, Watermark, WindowedJob
-from streaming.sources import PAYMENTS
+from streaming.jobs.sources import PAYMENTS
 from streaming.windows import Sliding
 
 

@@ -10,7 +10,7 @@ from pyspark.sql import DataFrame
 
 from streaming.declaration import KeyedJob, Table, Watermark
 from streaming.keyed import KeyedProcessFunction, RuntimeContext, TtlConfig, ValueStateDescriptor
-from streaming.sources import PAYMENTS
+from streaming.jobs.sources import PAYMENTS
 
 RATIO = 10
 

@@ -13,7 +13,7 @@ from pyspark.sql import functions as F
 
 from streaming.declaration import Agg, Table, Watermark, WindowedJob
 from streaming.windows import Tumbling
-from streaming.sources import PAYMENTS
+from streaming.jobs.sources import PAYMENTS
 
 
 def measures(payments: DataFrame) -> DataFrame:

@@ -13,7 +13,7 @@ from pyspark.sql import functions as F
 
 from streaming.declaration import KeyedJob, Table, Watermark
 from streaming.keyed import KeyedProcessFunction, ListStateDescriptor, RuntimeContext
-from streaming.sources import PAYMENTS
+from streaming.jobs.sources import PAYMENTS
 
 DAY = timedelta(hours=24)
 

@@ -12,7 +12,7 @@ from pyspark.sql import DataFrame
 
 from streaming.declaration import KeyedJob, Table, Watermark
 from streaming.keyed import KeyedProcessFunction, ListStateDescriptor, RuntimeContext
-from streaming.sources import LOGINS
+from streaming.jobs.sources import LOGINS
 
 HORIZON = timedelta(minutes=5)
 MIN_FAILURES = 3

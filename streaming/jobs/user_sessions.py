@@ -12,7 +12,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from streaming.declaration import Agg, Table, Watermark, WindowedJob
-from streaming.sources import LOGINS, PAYMENTS
+from streaming.jobs.sources import LOGINS, PAYMENTS
 from streaming.windows import Session
 
 

@@ -1,0 +1,158 @@
+"""The engine's batch records, kept inside the Spark checkpoint (see ``layout``).
+
+One JSON record per micro-batch ``N`` (the two newest are kept): its statistics, the stream's
+totals, the watermark before and after it, the job's shape, and — for windowed jobs — the manifest
+of the incremental store after it. The record is written last, after every table commit and the
+store's files: it marks batch N complete on lakestream's side. Batch N always starts from the
+newest record *below* N, so a batch Spark replays after a crash recomputes exactly the same outputs
+(it reads the same input files), which is what makes the sinks exactly-once.
+
+Records are read when a stream starts (one listing), then kept in memory: a running stream reads
+nothing back between batches. Whether a batch may be a replay is known at start too: Spark replays
+only the batch it had planned but not committed when it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from ..windowed.batch import NEG_INF_MS, BatchStats
+from ..errors import CheckpointCorruptError, IncompatibleStateError
+from ..spark.hadoopfs import HadoopFS
+from .layout import Layout, last_planned_and_committed
+from .store import Manifest
+
+KEEP_BATCHES = 2
+FORMAT = 3  # 3: incremental store (ids, pieces, evals); keyed state in buckets of keys
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    batch_id: int
+    stats: BatchStats
+    totals: BatchStats  # cumulative over the stream's life, this batch included
+    job_fingerprint: str
+    job_shape: dict | None = None
+    store: Manifest = field(default_factory=Manifest)
+    removed: tuple[str, ...] = ()  # store files this batch dropped (deleted once the next batch is recorded)
+    state_rows: dict | None = None  # what the stream remembers after the batch (ids, open window pieces, keys)
+    key_buckets: int | None = None  # keyed streams: how many groups the keys are bucketed in (fixed per checkpoint)
+    bucket_labels: tuple[int, ...] | None = None  # keyed streams: each bucket's grouping value (None: the bucket number)
+    format: int = FORMAT
+
+    @property
+    def watermark_ms(self) -> int:
+        return self.stats.watermark_out_ms
+
+    def to_json(self) -> str:
+        data = {
+            "format": self.format, "batch_id": self.batch_id, "stats": asdict(self.stats), "totals": asdict(self.totals),
+            "job_fingerprint": self.job_fingerprint, "job_shape": self.job_shape, "store": self.store.to_json(),
+            "removed": list(self.removed), "state_rows": self.state_rows,
+        }
+        if self.key_buckets is not None:
+            data["key_buckets"] = self.key_buckets
+        if self.bucket_labels is not None:
+            data["bucket_labels"] = list(self.bucket_labels)
+        return json.dumps(data, indent=1)
+
+
+def parse_record(text: str, path: str) -> BatchRecord:
+    try:
+        data = json.loads(text)
+        if data.get("format", 1) != FORMAT:
+            raise IncompatibleStateError(
+                f"{path} was written by an older lakestream (engine state format {data.get('format', 1)}, this version "
+                f"uses {FORMAT}) whose state it cannot read: move the checkpoint folder away to start over, then "
+                "backfill the tables (lakestream backfill JOB --start ... --end ...)"
+            )
+        return BatchRecord(
+            batch_id=data["batch_id"], stats=BatchStats(**data["stats"]), totals=BatchStats(**data["totals"]),
+            job_fingerprint=data["job_fingerprint"], job_shape=data.get("job_shape"),
+            store=Manifest.from_json(data.get("store")), removed=tuple(data.get("removed") or ()),
+            state_rows=data.get("state_rows"), key_buckets=data.get("key_buckets"),
+            bucket_labels=tuple(data["bucket_labels"]) if data.get("bucket_labels") is not None else None,
+            format=data["format"],
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointCorruptError(
+            f"batch record {path} is unreadable ({exc}); restore a savepoint or delete the checkpoint to start over"
+        ) from None
+
+
+class EngineState:
+    """The records of one job's checkpoint, read through Spark's file system (any URI Spark reads)."""
+
+    def __init__(self, spark, checkpoint_dir: str):
+        self._fs = HadoopFS(spark)
+        self.layout = Layout(checkpoint_dir)
+
+    def batch_ids(self) -> list[int]:
+        return sorted(int(n[:-5]) for n in self._fs.list_names(self.layout.batches) if n.endswith(".json")
+                      and n[:-5].isdigit())
+
+    def read_record(self, batch_id: int) -> BatchRecord:
+        path = self.layout.record(batch_id)
+        return parse_record(self._fs.read_text(path), path)
+
+    def latest_record(self) -> BatchRecord | None:
+        ids = self.batch_ids()
+        return self.read_record(ids[-1]) if ids else None
+
+    def latest_record_before(self, batch_id: int) -> BatchRecord | None:
+        earlier = [i for i in self.batch_ids() if i < batch_id]
+        return self.read_record(earlier[-1]) if earlier else None
+
+    def refuse_legacy(self) -> None:
+        """A checkpoint of a version before the incremental store cannot be resumed: say so once, clearly."""
+        if any(self._fs.exists(p) for p in self.layout.legacy()):
+            raise IncompatibleStateError(
+                f"{self.layout.root} holds engine state of an older lakestream (open windows and remembered ids as "
+                "whole Parquet copies) that this version does not read: move the checkpoint folder away to start "
+                "over, then backfill the tables (lakestream backfill JOB --start ... --end ...)"
+            )
+
+    def replay_candidate(self) -> int | None:
+        """The batch Spark will replay when the stream starts (planned but not committed), if any."""
+        planned, committed = last_planned_and_committed(self._fs, self.layout)
+        if planned is not None and (committed is None or planned > committed):
+            return planned
+        return None
+
+    def save(self, record: BatchRecord) -> None:
+        """Write the record of a batch, then forget what is no longer needed: the record two batches
+        back and the store files the previous batch dropped (a replay can no longer need them)."""
+        self._fs.write_text(self.layout.record(record.batch_id), record.to_json())
+        self._fs.delete(self.layout.record(record.batch_id - KEEP_BATCHES))
+
+    def delete_files(self, paths) -> None:
+        for path in paths:
+            self._fs.delete(path)
+
+
+class Records:
+    """The newest record before the running batch, held in memory while a stream runs."""
+
+    def __init__(self, state: EngineState):
+        self.state = state
+        self._last: BatchRecord | None = None
+        self._loaded_for: int | None = None
+
+    def before(self, batch_id: int) -> BatchRecord | None:
+        if self._last is not None and self._last.batch_id == batch_id - 1:
+            return self._last
+        if self._loaded_for != batch_id:  # the first batch of this run (or a replay): read once
+            self.state.refuse_legacy()
+            self._last = self.state.latest_record_before(batch_id)
+            self._loaded_for = batch_id
+        return self._last
+
+    def committed(self, record: BatchRecord) -> None:
+        self._last = record
+        self._loaded_for = record.batch_id + 1
+
+
+def watermark_of(record: BatchRecord | None) -> int:
+    return record.watermark_ms if record is not None else NEG_INF_MS
+

@@ -1,0 +1,278 @@
+"""Savepoints, as Flink users know them: a consistent, restorable copy of a job's progress.
+
+``savepoints/<job>/<id>/`` holds ``checkpoint/`` (a copy of the Spark checkpoint with the engine
+state) and ``manifest.json``: job, code version, batch id, source position, the version of every
+sink table (Iceberg snapshot id, Delta version), state shape and fingerprint, key columns, shuffle
+partitions, Spark version, time.
+
+* **create** is stop-with-savepoint: a running stream is asked to stop after its current batch
+  (``StreamControl``), the checkpoint is copied while nothing writes to it, and the table versions
+  recorded are exactly those the copied checkpoint has committed.
+* **restore** (``lakestream run JOB --from-savepoint ID``) checks compatibility first, puts the
+  copy back as the job's checkpoint and rolls every sink table back to its recorded version
+  (Iceberg: set the current snapshot; Delta: restore the version), so
+  the stream continues exactly-once from the savepoint even if the job ran on after it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from .compat import differences, refuse, stored_shuffle_partitions, stream_partitions
+from ..declaration import Job, Table
+from ..errors import SavepointError
+from ..spark.hadoopfs import HadoopFS
+from .layout import Layout, numbered, offset_sources
+from ..run.runner import StreamControl
+from ..settings import Settings
+from ..io.sinks import sink_for
+from .records import EngineState
+from ..io.tables import all_tables
+
+MANIFEST = "manifest.json"
+_ID = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)-(\d{8}T\d{6}\d{3}Z)-b(-?\d+)$")
+
+
+@dataclass(frozen=True)
+class Savepoint:
+    id: str
+    job: str
+    path: str
+    manifest: dict
+
+    @property
+    def checkpoint(self) -> str:
+        return f"{self.path}/checkpoint"
+
+
+def job_of(savepoint_id: str) -> str:
+    match = _ID.match(savepoint_id)
+    if not match:
+        raise SavepointError(
+            f"{savepoint_id!r} is not a savepoint id (they look like purchase_metrics-20261122T101500123Z-b41; "
+            "see `lakestream savepoint list JOB`)"
+        )
+    return match.group(1)
+
+
+def code_version() -> str | None:
+    """The git commit of the running code, when it runs from a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+class Savepoints:
+    def __init__(self, spark, settings: Settings, progress: Callable[[str], None] | None = print):
+        self.spark = spark
+        self.settings = settings
+        self.fs = HadoopFS(spark)
+        self.say = progress or (lambda _msg: None)
+
+    def folder(self, job: str) -> str:
+        return f"{self.settings.savepoints.rstrip('/')}/{job}"
+
+    # -- listing -------------------------------------------------------------------------
+    def list(self, job: str) -> list[Savepoint]:
+        found = []
+        for name in sorted(self.fs.list_names(self.folder(job))):
+            if _ID.match(name) and self.fs.exists(f"{self.folder(job)}/{name}/{MANIFEST}"):
+                found.append(self.get(name))
+        return sorted(found, key=lambda s: s.manifest.get("created_ms", 0))
+
+    def get(self, savepoint_id: str) -> Savepoint:
+        job = job_of(savepoint_id)
+        path = f"{self.folder(job)}/{savepoint_id}"
+        if not self.fs.exists(f"{path}/{MANIFEST}"):
+            raise SavepointError(f"no savepoint {savepoint_id} in {self.folder(job)}; `lakestream savepoint list {job}` shows them")
+        try:
+            manifest = json.loads(self.fs.read_text(f"{path}/{MANIFEST}"))
+        except ValueError:
+            raise SavepointError(f"{path}/{MANIFEST} is corrupt; delete the savepoint") from None
+        return Savepoint(savepoint_id, job, path, manifest)
+
+    def delete(self, savepoint_id: str) -> Savepoint:
+        savepoint = self.get(savepoint_id)
+        self.fs.delete(savepoint.path)
+        return savepoint
+
+    def prune(self, job: str, keep: int) -> list[str]:
+        """Delete all but the newest ``keep`` savepoints of ``job``; returns the deleted ids."""
+        if keep < 1:
+            raise SavepointError(f"--keep must be at least 1, got {keep}")
+        old = self.list(job)[:-keep]
+        for savepoint in old:
+            self.fs.delete(savepoint.path)
+        return [s.id for s in old]
+
+    # -- create --------------------------------------------------------------------------
+    def create(self, job: Job, *, timeout_s: float = 600.0, keep: int | None = None) -> Savepoint:
+        checkpoint = self.settings.checkpoint_dir(job.name)
+        layout = Layout(checkpoint)
+        if not self.fs.exists(layout.metadata):
+            raise SavepointError(f"{job.name} has no checkpoint at {checkpoint} yet; run it before taking a savepoint")
+        self._stop_running(job, checkpoint, timeout_s)
+        # The savepoint's batch is the last one Spark recorded as committed; a batch planned after
+        # it (interrupted by the stop) is replayed after a restore, exactly-once like any other.
+        committed = numbered(self.fs.list_names(layout.commits))
+        batch_id = committed[-1] if committed else -1
+        record = EngineState(self.spark, checkpoint).latest_record_before(batch_id + 1)
+        now = datetime.now(timezone.utc)
+        savepoint_id = f"{job.name}-{now.strftime('%Y%m%dT%H%M%S')}{now.microsecond // 1000:03d}Z-b{batch_id}"
+        path = f"{self.folder(job.name)}/{savepoint_id}"
+        self.say(f"copying {checkpoint} -> {path}/checkpoint")
+        self._copy(checkpoint, f"{path}/checkpoint")
+        copy = Layout(f"{path}/checkpoint")
+        for transient in (copy.running, copy.stop_request):
+            self.fs.delete(transient)
+        manifest = self._manifest(job, savepoint_id, checkpoint, record, batch_id, now)
+        self.fs.write_text(f"{path}/{MANIFEST}", json.dumps(manifest, indent=1))
+        savepoint = Savepoint(savepoint_id, job.name, path, manifest)
+        if keep:
+            for gone in self.prune(job.name, keep):
+                self.say(f"retention (keep {keep}): deleted savepoint {gone}")
+        return savepoint
+
+    def _stop_running(self, job: Job, checkpoint: str, timeout_s: float) -> None:
+        control = StreamControl(self.spark, checkpoint)
+        running = control.running()
+        if running is None:
+            return
+        self.say(
+            f"{job.name} is running (pid {running.get('pid')} on {running.get('host')}): "
+            "asking it to stop after its current batch"
+        )
+        control.request_stop()
+        deadline = time.monotonic() + timeout_s
+        next_note = time.monotonic() + 10
+        while control.running() is not None:
+            if time.monotonic() > deadline:
+                raise SavepointError(
+                    f"{job.name} did not stop within {timeout_s:.0f}s; its batch may be long. Retry with a larger "
+                    f"--timeout, or if the job is gone delete {control.running_path}"
+                )
+            if time.monotonic() > next_note:
+                self.say(f"  still waiting for {job.name} to finish its batch...")
+                next_note += 10
+            time.sleep(0.5)
+        self.say(f"{job.name} stopped")
+
+    def _copy(self, source: str, target: str) -> None:
+        jvm = self.spark._jvm  # noqa: SLF001
+        conf = self.spark._jsc.hadoopConfiguration()  # noqa: SLF001
+        src, dst = jvm.org.apache.hadoop.fs.Path(source), jvm.org.apache.hadoop.fs.Path(target)
+        if self.fs.exists(target):
+            raise SavepointError(f"{target} already exists")
+        self.fs.mkdirs(target.rsplit("/", 1)[0])
+        ok = jvm.org.apache.hadoop.fs.FileUtil.copy(src.getFileSystem(conf), src, dst.getFileSystem(conf), dst, False, conf)
+        if not ok:
+            raise SavepointError(f"could not copy {source} to {target}")
+
+    def _manifest(self, job: Job, savepoint_id: str, checkpoint: str, record, batch_id: int, now: datetime) -> dict:
+        layout = Layout(checkpoint)
+        offsets = numbered(self.fs.list_names(layout.offsets))
+        source_offset = None
+        if offsets:
+            source_offset = offset_sources(self.fs.read_text(layout.offset(offsets[-1])), layout.offset(offsets[-1]))
+        return {
+            "id": savepoint_id,
+            "job": job.name,
+            "created": now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "created_ms": int(now.timestamp() * 1000),
+            "code_version": code_version(),
+            "batch_id": batch_id if batch_id >= 0 else None,
+            "watermark_ms": record.watermark_ms if record else None,
+            "source": {"landing": [self.settings.input_of(s) for s in job.sources], "offsets": source_offset,
+                       "last_planned_batch": offsets[-1] if offsets else None},
+            "format": self.settings.format_of(job.name),
+            "tables": {t.name: sink_for(self.spark, self.settings, t, job.name).version() for t in all_tables(job)},
+            "state": {"fingerprint": job.fingerprint(), "shape": job.shape()},
+            "keys": list(job.keys),
+            "shuffle_partitions": stored_shuffle_partitions(self.fs, checkpoint),
+            "spark_version": self.spark.version,
+        }
+
+    # -- restore -------------------------------------------------------------------------
+    def restore(self, job: Job, savepoint_id: str) -> Savepoint:
+        """Make the job's checkpoint and tables what they were at the savepoint (the stream must be stopped).
+
+        Every check that can refuse the restore runs before anything is changed, so a refused restore
+        leaves checkpoint and tables exactly as they were. Then the tables are rolled back (each
+        rollback is atomic and idempotent) and the savepoint's checkpoint, copied beside the job's,
+        replaces it. An interrupted restore is finished by running it again.
+        """
+        savepoint, checkpoint, rollbacks = self._restore_plan(job, savepoint_id)
+        # 1. the copy, beside the checkpoint (nothing of the job changes yet)
+        staged = f"{checkpoint}.restoring"
+        self.fs.delete(staged)
+        self.say(f"restoring checkpoint {checkpoint} from {savepoint.checkpoint}")
+        self._copy(savepoint.checkpoint, staged)
+        # A new commit-id epoch: batches re-run from here must not match the commits rolled back below.
+        restored_at = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+        self.fs.write_text(Layout(staged).epoch, f"restored-{savepoint_id}-{restored_at}")
+        # 2. the tables
+        for sink, version in rollbacks:
+            if version is None:
+                self.say(f"  {sink.table.name}: empty at the savepoint -> deleting all rows")
+            elif sink.version() != version:
+                self.say(f"  {sink.table.name}: rolling back to version {version}")
+            sink.rollback(version)
+        # 3. the checkpoint
+        self.fs.delete(checkpoint)
+        self.fs.rename(staged, checkpoint)
+        return savepoint
+
+    def _restore_plan(self, job: Job, savepoint_id: str):
+        """(savepoint, checkpoint, [(sink, version)]), or the reason the restore is refused."""
+        savepoint = self.get(savepoint_id)
+        if savepoint.job != job.name:
+            raise SavepointError(f"savepoint {savepoint_id} belongs to job {savepoint.job}, not {job.name}")
+        manifest = savepoint.manifest
+        partitions = stream_partitions(self.spark, job, manifest.get("shuffle_partitions"))
+        checkpoint = self.settings.checkpoint_dir(job.name)
+        changes = differences(manifest.get("state", {}).get("shape"), manifest.get("shuffle_partitions"), job, partitions)
+        if changes:
+            raise refuse(job, f"savepoint {savepoint_id}", changes, checkpoint)
+        fmt = manifest.get("format", "iceberg")
+        if fmt != self.settings.format_of(job.name):
+            raise SavepointError(
+                f"savepoint {savepoint_id} recorded {fmt} tables but {job.name} is configured for "
+                f"{self.settings.format_of(job.name)}; set the job's format back to {fmt} to restore it"
+            )
+        running = StreamControl(self.spark, checkpoint).running()
+        if running is not None:
+            raise SavepointError(
+                f"{job.name} is running (pid {running.get('pid')} on {running.get('host')}); stop it first, e.g. "
+                f"`lakestream savepoint create {job.name}`"
+            )
+        if not self.fs.exists(Layout(savepoint.checkpoint).metadata):
+            raise SavepointError(f"savepoint {savepoint_id} has no checkpoint copy at {savepoint.checkpoint} "
+                                 "(incomplete or damaged); choose another one (`lakestream savepoint list`)")
+        rollbacks = []
+        for name, version in manifest.get("tables", {}).items():
+            sink = sink_for(self.spark, self.settings, Table(name), job.name)
+            if not sink.exists():
+                if version is not None:
+                    raise SavepointError(
+                        f"savepoint {savepoint_id} needs {name} at version {version}, but the table no longer exists; "
+                        "the restore would lose its rows: restore the table first, or start over from an empty checkpoint"
+                    )
+                continue
+            if version is not None and not sink.has_version(version):
+                raise SavepointError(
+                    f"{name} no longer has version {version}, which savepoint {savepoint_id} recorded (its snapshots "
+                    "were expired or vacuumed); choose a newer savepoint, and keep snapshots newer than the oldest one"
+                )
+            rollbacks.append((sink, version))
+        return savepoint, checkpoint, rollbacks

