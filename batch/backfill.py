@@ -35,14 +35,14 @@ from pyspark.sql import Observation
 from pyspark.sql import functions as F
 
 from streaming.declaration import Job, KeyedJob
-from streaming.durations import epoch_ms, from_epoch_ms, iso_ms
-from streaming.windowed.batch import BatchStats
+from streaming.time import epoch_ms, from_epoch_ms, is_finite, iso_ms
+from streaming.checkpoint.records import BatchStats
 from streaming.errors import DateRangeError, OwnershipError
 from streaming.settings import Settings
 from streaming.checkpoint.records import EngineState
-from streaming.checkpoint.store import observe, observed
-from streaming.io.tables import job_sinks, late_time_column, main_time_column
-from streaming.windows import Session
+from streaming.spark.metrics import observe, observed
+from streaming.io.schemas import late_time_column, main_time_column
+from streaming.io.tables import job_sinks
 
 from .bounded import compute, read_landing  # noqa: F401 - read_landing is part of this module's API
 
@@ -81,21 +81,16 @@ def final_horizon_ms(spark, settings: Settings, job: Job) -> int | None:
     w = record.watermark_ms
     if isinstance(job, KeyedJob):
         return w
-    lateness = job.watermark.allowed_lateness_ms
-    window = job.window
-    if isinstance(window, Session):
-        horizon = w - lateness - window.gap_ms
-        # a session still open may start as early as its first piece (the manifest knows, no read needed)
-        starts = [f.lo for f in record.store.of_kind("pieces")]
-        return min([horizon, *starts])
-    return w - lateness - window.size_ms + window.every_ms
+    # the pieces the stream still holds begin where the store's manifest says (no read needed)
+    open_starts = [f.lo for f in record.store.of_kind("pieces")]
+    return job.window.final_horizon_ms(w, job.watermark.allowed_lateness_ms, open_starts)
 
 
 def check_ownership(spark, settings: Settings, job: Job, end_ms: int, force: bool, say: Callable[[str], None]) -> None:
     horizon = final_horizon_ms(spark, settings, job)
     if horizon is None or end_ms <= horizon:
         return
-    where = iso_ms(from_epoch_ms(horizon)) if horizon > -(2**61) else "the beginning (no window is final yet)"
+    where = iso_ms(from_epoch_ms(horizon)) if is_finite(horizon) else "the beginning (no window is final yet)"
     if force:
         say(f"{job.name}: --force: the range ends after {where}, where the live stream's windows are final; "
             "the stream may still write (and win) there")

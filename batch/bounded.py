@@ -19,28 +19,19 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from streaming.declaration import Job, KeyedJob
-from streaming.durations import from_epoch_ms
-from streaming.windowed.batch import POS_INF_MS, BatchStats, parse_sources, plan_batch
-from streaming.errors import DateRangeError
-from streaming.spark.hadoopfs import HadoopFS
-from streaming.io.landing import read_source, union
+from streaming.time import from_epoch_ms
+from streaming.time import POS_INF_MS
+from streaming.checkpoint.records import BatchStats
+from streaming.io.parse import parse_sources
+from streaming.windowed.batch import plan_batch
+from streaming.io.sources import read_all
 from streaming.settings import Settings
 
 
 def read_landing(spark, settings: Settings, job: Job, as_of: Mapping[str, int] | None = None) -> DataFrame:
-    """Every line of every source folder of ``job``, as a batch: value, source_file, _source. A table
-    source is read as of its snapshot in ``as_of`` (by source name), else as of its current snapshot."""
-    fs = HadoopFS(spark)
-    frames = []
-    for source in job.sources:
-        if source.is_table:
-            frames.append(read_source(spark, None, source, stream=False, snapshot=(as_of or {}).get(source.name)))
-            continue
-        landing = settings.landing_dir(source)
-        if not fs.exists(landing):
-            raise DateRangeError(f"no landing data at {landing}; run `lakestream generate` first or fix 'landing'")
-        frames.append(read_source(spark, landing, source, stream=False))
-    return union(frames)
+    """Every record of every source of ``job``, as a batch (see ``io.sources``); a source with a position in
+    ``as_of`` (by source name, e.g. a table's snapshot) is read up to it."""
+    return read_all(spark, settings, job, dict(as_of or {}))
 
 
 @dataclass
@@ -75,7 +66,7 @@ def compute(spark, settings: Settings, job: Job, lo: int, hi: int, say=lambda _m
             as_of: Mapping[str, int] | None = None) -> Bounded:
     """``as_of``: the snapshot each table source is read at (by source name; default: its current one).
     Windowed jobs: nothing runs until ``main`` is read; keyed jobs run their function here."""
-    from streaming.io.tables import check_job
+    from streaming.io.validation import check_job
 
     check_job(spark, job)
     raw = read_landing(spark, settings, job, as_of)
@@ -104,32 +95,27 @@ def compute(spark, settings: Settings, job: Job, lo: int, hi: int, say=lambda _m
 
 
 def _keyed(spark, job: KeyedJob, raw: DataFrame, lo: int, hi: int, say, started: float) -> Bounded:
-    from streaming.spark.keyed import bounded_frame, main_schema, split
+    from streaming.spark.keyed import KeyedOutput, bounded_frame, main_schema
 
     parsed = parse_sources(job, raw)
     t_ms = F.unix_millis(F.col(job.source.event_time))
     first = lo - int(job.history / timedelta(milliseconds=1))
     parsed = parsed.where(F.col("_reason").isNotNull() | ((t_ms >= first) & (t_ms < hi)))
     frame = bounded_frame(job, parsed).cache()
-    row = frame.agg(
-        F.coalesce(F.sum(F.when(F.col("_kind") == "q", F.col("_q_n"))), F.lit(0)).alias("bad"),
-        F.coalesce(F.sum("_s_in"), F.lit(0)).alias("inputs"),
-        F.coalesce(F.sum("_s_dup"), F.lit(0)).alias("dups"),
-        F.max("_s_max_t").alias("max_t"),
-    ).first()
+    output = KeyedOutput(job, frame, main_schema(job))
+    c = output.counts()
     seconds = time.monotonic() - started
-    lines = row["inputs"] + row["bad"]
-    say(f"  ran the keyed function over {row['inputs']:,} events ({lines / max(seconds, 1e-9):,.0f} events/s), "
-        f"{row['bad']:,} quarantined")
-    stats = BatchStats(lines=lines, quarantined=row["bad"], events=row["inputs"] - row["dups"],
-                       duplicates=row["dups"], max_event_time_ms=row["max_t"], watermark_out_ms=POS_INF_MS)
-    parts = split(job, frame, main_schema(job))
+    lines = c.inputs + c.bad
+    say(f"  ran the keyed function over {c.inputs:,} events ({lines / max(seconds, 1e-9):,.0f} events/s), "
+        f"{c.bad:,} quarantined")
+    stats = BatchStats(lines=lines, quarantined=c.bad, events=c.inputs - c.duplicates, duplicates=c.duplicates,
+                       max_event_time_ms=c.max_event_time_ms, watermark_out_ms=POS_INF_MS)
     column = F.unix_millis(F.col(job.time_column))
     key = job.source.dedup_key
     events = parsed.where(F.col("_reason").isNull() & (t_ms >= lo) & (t_ms < hi))
     return Bounded(
-        job=job, lo=lo, hi=hi, main=parts["main"].where((column >= lo) & (column < hi)),
+        job=job, lo=lo, hi=hi, main=output.main().where((column >= lo) & (column < hi)),
         consumed=events.select(F.col(key).cast("string").alias(key)),
-        quarantine={s.name: parts[f"quarantine:{s.name}"] for s in job.sources},
+        quarantine={s.name: output.quarantine(s.name) for s in job.sources},
         _stats=lambda: stats, _release=[frame.unpersist],
     )

@@ -28,13 +28,14 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from streaming.declaration import Job, KeyedJob, Table
-from streaming.durations import epoch_ms, from_epoch_ms, iso_ms
+from streaming.time import epoch_ms, from_epoch_ms, iso_ms
 from streaming.errors import LakestreamError
 from streaming.settings import Settings
 from streaming.io.sinks import sink_for
+from streaming.io.sources import kind_of, positions
 from streaming.checkpoint.records import EngineState
-from streaming.io.tables import job_sinks, main_time_column
-from streaming.windows import Session
+from streaming.io.schemas import main_time_column
+from streaming.io.tables import job_sinks
 
 from .bounded import compute
 
@@ -103,14 +104,13 @@ def stream_watermark(spark, settings: Settings, job: Job) -> int:
     return last.watermark_ms
 
 
-def stream_snapshots(spark, settings: Settings, job: Job) -> dict[str, int]:
-    """The snapshot each table source of ``job`` was read up to by the stream's last committed batch."""
-    if not any(s.is_table for s in job.sources):
-        return {}
+def stream_positions(spark, settings: Settings, job: Job) -> dict[str, int]:
+    """Where the stream's last committed batch left each source that has a position (e.g. the snapshot of a
+    table source), by source name."""
+    from streaming.checkpoint.layout import Layout, committed_offsets
     from streaming.spark.hadoopfs import HadoopFS
-    from streaming.checkpoint.layout import Layout, table_snapshots
 
-    return table_snapshots(HadoopFS(spark), Layout(settings.checkpoint_dir(job.name)), job.sources)
+    return positions(job, committed_offsets(HadoopFS(spark), Layout(settings.checkpoint_dir(job.name))))
 
 
 def reconcile(spark, settings: Settings, job: Job, start: datetime, end: datetime, *, progress=print,
@@ -121,12 +121,13 @@ def reconcile(spark, settings: Settings, job: Job, start: datetime, end: datetim
     say(f"{job.name}: reconciling [{iso_ms(start)}, {iso_ms(end)}) against a bounded recomputation "
         f"(stream watermark {iso_ms(from_epoch_ms(watermark))})")
     started = time.monotonic()
-    # Table sources: the twin reads each table as of the snapshot the stream has read up to, so rows
+    # Sources with a position (table sources: a snapshot) are read up to where the stream is, so records
     # appended since are not counted as differences (files: see _mark_unread_input).
-    as_of = stream_snapshots(spark, settings, job)
+    as_of = stream_positions(spark, settings, job)
     if as_of:
-        say("  table sources read as of the stream's snapshots: "
-            + ", ".join(f"{name} @ {snap}" for name, snap in as_of.items()))
+        by_name = {s.name: s for s in job.sources}
+        say("  sources read up to where the stream is: "
+            + ", ".join(f"{name} @ {kind_of(by_name[name]).describe_position(p)}" for name, p in as_of.items()))
     bounded = compute(spark, settings, job, epoch_ms(start), epoch_ms(end), say, as_of=as_of)
     try:
         report = compare(spark, settings, job, bounded, watermark, start, end)
@@ -176,25 +177,26 @@ def record_results(spark, settings: Settings, report: ReconcileReport) -> None:
         sink.append(frame, Commit(f"reconcile:{report.job}", int(now.timestamp() * 1000)), may_exist=False)
 
 
-def unread_files(settings: Settings, job: Job) -> list[str]:
-    """Landing files the stream has not read yet (from its checkpoint's source log)."""
-    from streaming.checkpoint.inspect import inspect_job, landing_files
+def unread_files(settings: Settings, job: Job) -> dict[str, list[str]]:
+    """Landing files the stream has not read yet (from its checkpoint's source log), by source name."""
+    from streaming.checkpoint.inspect import inspect_job
+    from streaming.checkpoint.tree import landing_files
 
-    folders = [settings.landing_dir(s) for s in job.sources if not s.is_table]  # a table: read as of the stream's snapshot
+    folders = {s.name: folder for s in job.sources if (folder := kind_of(s).landing_folder(settings, s))}
     if not folders:
-        return []
+        return {}
     report = inspect_job(settings, job)
     if not report.files_waiting and not report.files_in_flight:
-        return []
+        return {}
     consumed = set(report.consumed_files)
-    files = []
-    for folder in folders:
+    files = {}
+    for name, folder in folders.items():
         try:
-            files += [f"{folder.rstrip('/')}/{key.rsplit('/', 1)[-1]}"  # as Spark reads it
-                      for key in landing_files(folder, settings.storage_options) if key not in consumed]
+            files[name] = sorted(f"{folder.rstrip('/')}/{key.rsplit('/', 1)[-1]}"  # as Spark reads it
+                                 for key in landing_files(folder, settings.storage_options) if key not in consumed)
         except (ValueError, OSError):  # the folder cannot be listed from Python: nothing to compare with
-            return []
-    return sorted(files)
+            return {}
+    return {name: found for name, found in files.items() if found}
 
 
 def _mark_unread_input(spark, settings: Settings, job: Job, units: DataFrame) -> DataFrame:
@@ -202,21 +204,15 @@ def _mark_unread_input(spark, settings: Settings, job: Job, units: DataFrame) ->
     files = unread_files(settings, job)
     if not files:
         return units
-    from streaming.windowed.batch import parse_sources, plan_batch
-    from streaming.io.landing import read_source
+    from streaming.io.sources.base import union
+    from streaming.io.parse import parse_sources
+    from streaming.windowed.batch import plan_batch
 
-    raw = None
-    for source in (s for s in job.sources if not s.is_table):
-        mine = [f for f in files if f.startswith(settings.landing_dir(source).rstrip("/") + "/")]
-        if mine:
-            frame = read_source(spark, mine, source, stream=False)
-            raw = frame if raw is None else raw.unionByName(frame)
-    if raw is None:
-        return units
+    raw = union([kind_of(s).read(spark, settings, s, files=files[s.name]) for s in job.sources if s.name in files])
     if isinstance(job, KeyedJob):
-        from streaming.spark.keyed import _transformed
+        from streaming.spark.keyed import transformed_events
 
-        events = _transformed(job, parse_sources(job, raw), watermark=False)
+        events = transformed_events(job, parse_sources(job, raw))
         keys = [k for k in job.keys if k in units.columns]
         first = events.groupBy(*keys).agg(F.min(job.source.event_time).alias("_first_unread"))
         marked = units.join(first, keys, "left").withColumn(
@@ -252,14 +248,7 @@ def _window_units(job, bounded: DataFrame, streamed: DataFrame, late: DataFrame,
     end = F.coalesce(F.col("b_window_end"), F.col("s_window_end"))
     floating = frozenset(f.name for f in bounded.schema.fields if isinstance(f.dataType, (T.DoubleType, T.FloatType)))
     matched = F.coalesce(F.col("_b"), F.lit(False)) & F.coalesce(F.col("_s"), F.lit(False)) & _same(values, floating)
-    if isinstance(job.window, Session):  # a late event within a gap of the session would have joined it
-        gap = F.expr(f"INTERVAL {job.window.gap_ms} MILLISECONDS")
-        events = late.select(*[F.col(k).alias(f"_l_{k}") for k in job.keys], F.col(job.source.event_time).alias("_lt"))
-        near = reduce(lambda a, b: a & b, [F.col(k) == F.col(f"_l_{k}") for k in job.keys],
-                      (F.col("_lt") >= F.col("window_start") - gap) & (F.col("_lt") <= end))
-        hits = units.join(events, near, "left_semi").select(*keys).distinct()
-    else:
-        hits = late.select(*keys).distinct()
+    hits = job.window.late_windows(units.withColumn("window_end", end), late, job.keys, job.source.event_time)
     units = units.join(hits.withColumn("_late", F.lit(True)), keys, "left")
     lateness = job.watermark.allowed_lateness_ms
     in_flight = F.unix_millis(end) + F.lit(lateness) > F.lit(watermark)

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batch.backfill import backfill  # noqa: E402
 from lakestream.generator import GeneratorConfig, generate  # noqa: E402
-from streaming.jobs import get_job  # noqa: E402
+from streaming.project import get_job  # noqa: E402
 from streaming.spark.session import get_spark  # noqa: E402
 from streaming.settings import Settings  # noqa: E402
 from streaming.io.tables import all_tables  # noqa: E402

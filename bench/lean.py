@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import Payments, latency, run_plain_bounded, start_plain, write_file  # noqa: E402
 from streaming.declaration import Table  # noqa: E402
-from streaming.jobs import get_job  # noqa: E402
+from streaming.project import get_job  # noqa: E402
 from streaming.keyed import KeyedProcessFunction  # noqa: E402
 from streaming.checkpoint.layout import Layout, numbered  # noqa: E402
 from streaming.run.runner import run_stream  # noqa: E402

@@ -33,7 +33,7 @@ from common import plain_metrics  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
 from lakestream.generator import GeneratorConfig, generate  # noqa: E402
-from streaming.jobs import get_job  # noqa: E402
+from streaming.project import get_job  # noqa: E402
 from streaming.io.parse import AMOUNT_TYPE  # noqa: E402
 from streaming.run.runner import run_stream  # noqa: E402
 from streaming.spark.session import get_spark  # noqa: E402

@@ -10,9 +10,8 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 
-from streaming.durations import parse_duration, parse_instant
+from streaming.time import parse_duration, parse_instant
 from streaming.errors import ConfigError, LakestreamError, translate_jvm_error
 from streaming.settings import Settings
 
@@ -23,14 +22,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _settings(args) -> Settings:
-    env = dict(os.environ)
-    if args.home:
-        env["LAKESTREAM_HOME"] = args.home
-    return Settings.load(env, config_file=args.config)
+    """The settings of this command, built once (``--home`` and ``--config`` over the environment)."""
+    if getattr(args, "_settings", None) is None:
+        args._settings = Settings.load(config_file=args.config, home=args.home)
+    return args._settings
 
 
 def cmd_init(args) -> int:
-    from streaming.jobs import registry
+    from streaming.project import registry
     from streaming.spark.session import get_spark
     from streaming.io.tables import job_sinks
 
@@ -45,7 +44,7 @@ def cmd_init(args) -> int:
 
 
 def cmd_jobs(args) -> int:
-    from streaming.jobs import registry
+    from streaming.project import registry
 
     for name, job in registry(_settings(args)).items():
         what = job.window.describe() if job.kind == "windowed" else f"keyed {job.function.__name__}"
@@ -87,6 +86,7 @@ def _project_generate(settings) -> int | None:
     """A user project's own sample data (its ``generate.generate(landing)``); None for the built-in project."""
     import importlib
 
+    from streaming.io.sources import kind_of
     from streaming.project import current
 
     project = current(settings)
@@ -98,7 +98,7 @@ def _project_generate(settings) -> int | None:
         if exc.name != f"{project.package}.generate":
             raise
         raise ConfigError(f"project {project.name} has no generate.py with generate(landing); put its files into "
-                          + ", ".join(settings.input_of(s) for s in project.sources.values())) from None
+                          + ", ".join(kind_of(s).location(settings, s) for s in project.sources.values())) from None
     said = module.generate(settings.landing)
     print(f"sample data written under {settings.landing}" if said is None else said)
     return 0
@@ -134,7 +134,7 @@ def cmd_generate(args) -> int:
 
 
 def _job(args, settings):
-    from streaming.jobs import get_job
+    from streaming.project import get_job
 
     overrides = {}
     if getattr(args, "trigger_interval", None):
@@ -150,7 +150,8 @@ def _job(args, settings):
 
 
 def cmd_run(args) -> int:
-    from streaming.run.runner import describe_watermark, run_streams
+    from streaming.run.runner import run_streams
+    from streaming.time import describe_watermark
     from streaming.spark.session import get_spark
 
     names = list(dict.fromkeys(args.job))
@@ -168,9 +169,9 @@ def cmd_run(args) -> int:
         from streaming.checkpoint.savepoints import Savepoints
 
         Savepoints(spark, settings).restore(jobs[0], args.from_savepoint)
-    from streaming.run.faults import pause_from_environment
+    from streaming.run.faults import pauses
 
-    reports = run_streams(spark, settings, jobs, available_now=args.available_now, fault=pause_from_environment())
+    reports = run_streams(spark, settings, jobs, available_now=args.available_now, fault=pauses(settings))
     for job, report in zip(jobs, reports):
         s = report.stats
         print(
@@ -224,8 +225,10 @@ def cmd_reconcile(args) -> int:
 
 
 def cmd_checkpoint_inspect(args) -> int:
-    from streaming.checkpoint.inspect import describe, inspect_job, job_thresholds
-    from streaming.jobs import get_job
+    from streaming.checkpoint.health import job_thresholds
+    from streaming.checkpoint.inspect import inspect_job
+    from streaming.checkpoint.render import describe
+    from streaming.project import get_job
 
     settings = _settings(args)
     job = get_job(args.job, settings)
@@ -240,11 +243,12 @@ def cmd_checkpoint_inspect(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from streaming.checkpoint.inspect import inspect_job, status_table
-    from streaming.jobs import get_job, registry
+    from streaming.checkpoint.inspect import inspect_job
+    from streaming.checkpoint.render import status_table
+    from streaming.project import registry
 
     settings = _settings(args)
-    reports = [inspect_job(settings, get_job(name, settings)) for name in registry(settings)]
+    reports = [inspect_job(settings, job) for job in registry(settings).values()]
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=1))
     else:
@@ -259,7 +263,7 @@ def _describe_savepoint(sp) -> str:
 
 
 def cmd_savepoint(args) -> int:
-    from streaming.jobs import get_job
+    from streaming.project import get_job
     from streaming.checkpoint.savepoints import Savepoints, job_of
     from streaming.spark.session import get_spark
 
@@ -402,13 +406,22 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as exc:  # translate JVM errors at the boundary; keep real bugs visible
-        if os.environ.get("LAKESTREAM_DEBUG"):
+        if _debug(args):
             raise
         translated = translate_jvm_error(exc)
         if translated is None:
             raise
         print(f"lakestream: error: {translated} (LAKESTREAM_DEBUG=1 shows the trace)", file=sys.stderr)
         return translated.exit_code
+
+
+def _debug(args) -> bool:
+    """Whether to show whole traces (``LAKESTREAM_DEBUG``, through the command's settings; settings that do
+    not load say why in one line of their own)."""
+    try:
+        return _settings(args).debug
+    except Exception:  # noqa: BLE001 - settings that fail to load: their own error is the one to show
+        return False
 
 
 if __name__ == "__main__":

@@ -7,10 +7,10 @@ import time
 
 from pyspark.sql import functions as F
 
-from streaming.durations import iso_ms
+from streaming.time import describe_watermark, iso_ms
 from .generator import GeneratorConfig, generate
-from streaming.jobs import get_job
-from streaming.run.runner import describe_watermark, run_stream
+from streaming.project import registry
+from streaming.run.runner import run_stream
 from streaming.spark.session import get_spark
 from streaming.settings import Settings
 from streaming.checkpoint.records import EngineState
@@ -34,11 +34,10 @@ def run_demo(settings: Settings, cfg: GeneratorConfig) -> int:
           f"{pay.malformed:,} malformed, {len(pay.file_names)} files ({pay.files_skipped} already there)", flush=True)
 
     print(f"== 2/4 starting Spark ({settings.spark_master}, {settings.format_of('purchase_metrics')} tables)", flush=True)
-    job = get_job("purchase_metrics", settings)
+    jobs = registry(settings)  # resolved once
+    job = jobs["purchase_metrics"]
     spark = get_spark(settings)
-    from streaming.jobs import registry
-
-    for other in registry(settings).values():  # every table exists, so the dbt marts build on any lake
+    for other in jobs.values():  # every table exists, so the dbt marts build on any lake
         job_sinks(spark, settings, other)
     if settings.job(job.name).max_files_per_trigger is None:
         # Several micro-batches, as a live stream would see them: the watermark advances between

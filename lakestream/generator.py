@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streaming.durations import epoch_ms, from_epoch_ms, iso_ms, to_ms
+from streaming.time import epoch_ms, from_epoch_ms, to_ms
 
 DEFAULT_START = datetime(2026, 11, 20, tzinfo=timezone.utc)
 

@@ -28,8 +28,6 @@ their job first. ``stream()`` may be called again to continue the same stream wi
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -39,6 +37,7 @@ from typing import Any, Mapping, Sequence
 import pandas as pd
 
 from streaming.declaration import Job, Source
+from streaming.io.sources import kind_of
 from streaming.settings import Settings
 
 Batch = Sequence[Any] | Mapping[str, Sequence[Any]]
@@ -86,44 +85,20 @@ class JobHarness:
         self._files += 1
         written = []
         for source in self.job.sources:
-            records = per_source.get(source.name)
-            if source.is_table:
-                if records is not None and len(records):
-                    self.append(source, records)
-                continue
-            if records is None or len(records) == 0:
-                if not empty_file:
-                    continue
-                records = []
-            folder = Path(self.settings.landing_dir(source))
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / f"batch-{self._files:05d}.{_extension(source)}"
-            _write(path, source, records)
             # Spark reads files in modification-time order: a second apart, the batches keep their order.
-            self._mtime = max(time.time(), self._mtime + 1.0)
-            os.utime(path, (self._mtime, self._mtime))
-            written.append(path)
+            mtime = max(time.time(), self._mtime + 1.0)
+            landed = kind_of(source).land(self.spark, self.settings, source, per_source.get(source.name),
+                                          f"batch-{self._files:05d}", empty=empty_file, mtime=mtime)
+            if landed:
+                self._mtime = mtime
+            written += landed
         return written
 
     def append(self, source: Source, records: Any) -> None:
         """Append records (dicts or a pandas DataFrame) to a table source's table as one snapshot. The table
         is created with the declared types if missing; create it yourself with looser types (e.g. strings)
         to feed values that break the declaration."""
-        from pyspark.sql import functions as F
-
-        from streaming.io.parse import spark_type
-
-        if not self.spark.catalog.tableExists(source.location):
-            self.spark.sql(f"CREATE NAMESPACE IF NOT EXISTS {source.location.rsplit('.', 1)[0]}")
-            columns = ", ".join(f"`{f.name}` {spark_type(f).simpleString()}" for f in source.fields
-                                if not (source.dedup_from and f.name == source.dedup_key))
-            self.spark.sql(f"CREATE TABLE {source.location} ({columns}) USING iceberg")
-        schema = self.spark.table(source.location).schema
-        frame = records if isinstance(records, pd.DataFrame) else pd.DataFrame(list(records))
-        text = [[None if _missing(v) else (v.isoformat() if hasattr(v, "isoformat") else str(v))
-                 for v in (row.get(f.name) for f in schema.fields)] for row in frame.to_dict("records")]
-        rows = self.spark.createDataFrame(text, ", ".join(f"`{f.name}` string" for f in schema.fields))
-        rows.select(*[F.col(f.name).cast(f.dataType).alias(f.name) for f in schema.fields]).writeTo(source.location).append()
+        kind_of(source).land(self.spark, self.settings, source, records, f"batch-{self._files:05d}")
 
     def _by_source(self, batch: Batch) -> dict[str, Any]:
         names = [s.name for s in self.job.sources]
@@ -142,7 +117,7 @@ class JobHarness:
         from streaming.run.runner import run_stream
 
         done: list = []
-        if len(self.job.sources) == 1 and not self.job.sources[0].is_table:
+        if len(self.job.sources) == 1 and kind_of(self.job.sources[0]).one_delivery_per_trigger:
             # One file per batch, read one file per trigger: one streaming query for all the batches.
             for batch in batches:
                 self.write(batch, empty_file=True)
@@ -174,7 +149,7 @@ class JobHarness:
         """The bounded twin over the same landing files (default: every record), not written anywhere."""
         from batch.bounded import compute
 
-        from streaming.durations import epoch_ms
+        from streaming.time import epoch_ms
         from streaming.io.tables import job_sinks
 
         lo, hi = (start or _WIDE[0]), (end or _WIDE[1])
@@ -205,47 +180,23 @@ class JobHarness:
             return  # Delta tables live under the harness's own home: a new home is a new lake
         for table in [*all_tables(self.job), *quarantine_tables(self.job.sources)]:
             self.spark.sql(f"DROP TABLE IF EXISTS {table.name} PURGE")
-        for source in self.job.sources:  # the harness's own upstream tables start empty too
-            if source.is_table and inputs:
-                self.spark.sql(f"DROP TABLE IF EXISTS {source.location} PURGE")
+        for source in self.job.sources if inputs else ():  # the harness's own upstream tables start empty too
+            kind_of(source).reset(self.spark, source)
 
 
 def _active_warehouse() -> str | None:
     from streaming.spark import session
 
-    live = session._SESSION  # noqa: SLF001 - the process's one session, if it runs
-    if live is None or live._jsc is None:  # noqa: SLF001
+    live = session.active_session()
+    if live is None:
         return None
     return live.conf.get("spark.sql.catalog.lake.warehouse", None)
 
 
 def _as_datetime(ms: int | None) -> datetime | None:
-    from streaming.windowed.batch import NEG_INF_MS, POS_INF_MS
+    from streaming.time import as_datetime
 
-    if ms is None or ms <= NEG_INF_MS or ms >= POS_INF_MS:
-        return None
-    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
-
-
-def _missing(value) -> bool:
-    return value is None or (isinstance(value, float) and value != value) or value is pd.NaT
-
-
-def _extension(source: Source) -> str:
-    return {"json": "jsonl", "csv": "csv", "parquet": "parquet"}[source.format]
-
-
-def _write(path: Path, source: Source, records: Any) -> None:
-    tmp = path.with_name("." + path.name)  # appear whole: Spark must never list a half-written file
-    if source.format == "parquet":
-        frame = records if isinstance(records, pd.DataFrame) else pd.DataFrame(list(records))
-        frame.to_parquet(tmp, index=False)
-    else:
-        lines = [r if isinstance(r, str) else json.dumps(r, default=str) for r in records]
-        if source.format == "csv" and source.header:
-            lines = [source.delimiter.join(source.field_names), *lines]
-        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    tmp.rename(path)
+    return as_datetime(ms)
 
 
 def _pandas(frame) -> pd.DataFrame:

@@ -16,7 +16,6 @@ from dagster_pyspark import LazyPySparkResource
 
 from streaming.declaration import Job
 from streaming.errors import OwnershipError
-from streaming.jobs import get_job
 from streaming.settings import Settings
 
 from .resources import LakestreamResource
@@ -109,7 +108,7 @@ def bounded_assets(settings: Settings, job: Job, partitions_def) -> dg.AssetsDef
         window = context.partition_time_window
         partitions = list(context.partition_keys)
         run_settings = lakestream.settings()
-        declared = get_job(job.name, run_settings)
+        declared = job
         spark = lakestream.spark(pyspark)
         try:
             report = backfill(spark, run_settings, declared, window.start, window.end, progress=context.log.info,

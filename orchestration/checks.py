@@ -18,6 +18,7 @@ import dagster as dg
 from streaming.checkpoint.inspect import CheckpointReport, inspect_checkpoint, inspect_job
 from streaming.declaration import Job, Source
 from streaming.settings import Settings
+from streaming.time import is_finite
 
 from .resources import LakestreamResource
 from .tables import stream_key, table_key
@@ -43,7 +44,7 @@ def health_evaluation(job: Job, settings: Settings, now_ms: int | None = None,
                   "last_committed_batch": report.last_committed_batch if report.last_committed_batch is not None else -1,
                   "files_waiting": report.files_waiting, "state_bytes": report.state_bytes,
                   **({"watermark": dg.MetadataValue.timestamp(report.watermark_ms / 1000)}
-                     if report.watermark_ms and 0 < report.watermark_ms < 2**61 else {})},
+                     if is_finite(report.watermark_ms) else {})},
     )
 
 
@@ -87,8 +88,7 @@ def job_checks(job: Job, partitions_def) -> list[dg.AssetChecksDefinition]:
     @dg.asset_check(asset=main, name="stream_supervisor", description="Whether the stream runs when it should; the "
                     "stream_supervisor sensor reports each restart here.")
     def stream_supervisor(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-        from .sensors import ACTIVE
-        from .streams import DesiredState
+        from .streams import ACTIVE, DesiredState
 
         wanted = DesiredState(context.instance, job.name).get().get("state", "stopped")
         active = context.instance.get_runs(dg.RunsFilter(job_name=f"{job.name}_stream", statuses=ACTIVE), limit=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from streaming.project import current
+from streaming.project import current, registry
 from streaming.settings import Settings
 
 from .assets import bounded_assets
@@ -15,14 +15,14 @@ from .resources import LakestreamResource, pyspark_resource
 from .schedules import daily_backfill, savepoint_job, savepoint_schedule
 from .sensors import health_sensor, supervisor_sensor
 from .streams import stream_job, streams_job
-from .tables import landing_assets, partitions, quarantine_spec, stream_spec
+from .tables import landing_assets, landing_sources, partitions, quarantine_spec, stream_spec
 
 
 def build_definitions(settings: Settings | None = None, home: str | None = None) -> dg.Definitions:
     lakestream = LakestreamResource(home=home)
     settings = settings or lakestream.settings()
     project = current(settings)
-    jobs = list(project.jobs.values())
+    jobs = list(registry(settings).values())  # resolved once (the deployment's overrides applied), passed on
     sources = list({s.name: s for j in jobs for s in j.sources}.values())
     days = partitions(settings)
     bounded = [bounded_assets(settings, j, days) for j in jobs]
@@ -31,7 +31,8 @@ def build_definitions(settings: Settings | None = None, home: str | None = None)
     savepoints = savepoint_job(jobs)
     backfill_job, backfill_schedule = daily_backfill(jobs, bounded, days)
     return dg.Definitions(
-        assets=[*([landing_assets(sources, jobs)] if any(not s.is_table for s in sources) else []), *[quarantine_spec(settings, s) for s in sources],
+        assets=[*([landing_assets(landing_sources(jobs), jobs)] if landing_sources(jobs) else []),
+                *[quarantine_spec(settings, s) for s in sources],
                 *[stream_spec(j) for j in jobs], *bounded, *([marts] if marts else [])],
         asset_checks=[*[c for j in jobs for c in job_checks(j, days)], *[quarantine_check(s, jobs) for s in sources]],
         jobs=[*streams, savepoints, backfill_job,

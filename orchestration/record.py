@@ -9,7 +9,7 @@ import os
 import dagster as dg
 
 from streaming.declaration import Job
-from streaming.run.runner import describe_watermark
+from streaming.time import describe_watermark, is_finite
 
 from .tables import table_key
 
@@ -64,7 +64,7 @@ def record_outside_run(job: Job, days: list[str], *, what: str, metadata: dict,
     if "watermark_ms" in meta:
         watermark = meta.pop("watermark_ms")
         meta["watermark"] = describe_watermark(watermark)
-        if 0 < watermark < 2**61:
+        if is_finite(watermark):
             meta["watermark_time"] = dg.MetadataValue.timestamp(watermark / 1000)
     for table in (job.sink, job.late_sink):
         for day in days or [None]:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import dagster as dg
@@ -23,22 +22,19 @@ class LakestreamResource(dg.ConfigurableResource):
     config_file: str | None = None
 
     def settings(self) -> Settings:
-        env = dict(os.environ)
-        if self.home:
-            env["LAKESTREAM_HOME"] = self.home
-        return Settings.load(env, config_file=self.config_file)
+        return Settings.load(config_file=self.config_file, home=self.home)
 
     def spark(self, pyspark: LazyPySparkResource):
         """The run's SparkSession, built by dagster-pyspark from lakestream's conf, after lakestream's
         startup checks (Java, Python workers). It becomes the process's shared session."""
         settings = self.settings()
-        if spark_session._SESSION is not None and spark_session._SESSION._jsc is not None:  # noqa: SLF001
-            return spark_session._SESSION  # noqa: SLF001 - e.g. an in-process test run
-        check_java()
+        if spark_session.active_session() is not None:  # e.g. an in-process test run
+            return spark_session.active_session()
+        check_java(bundled=settings.bundled_java)
         prepare_environment(settings.spark_master.startswith("local"))
         session = pyspark.spark_session
         session.sparkContext.setLogLevel("ERROR")
-        spark_session._SESSION = session  # noqa: SLF001 - one session per process
+        spark_session.adopt(session)  # one session per process
         return session
 
 

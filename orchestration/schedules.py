@@ -17,7 +17,6 @@ import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 
 from streaming.declaration import Job
-from streaming.jobs import get_job
 
 from .assets import RECONCILIATION
 from .resources import LakestreamResource
@@ -31,6 +30,7 @@ def savepoint_job(jobs: list[Job]) -> dg.JobDefinition:
         from streaming.checkpoint.savepoints import Savepoints
 
         settings = lakestream.settings()
+        by_name = {job.name: job for job in jobs}
         # Every stream that should run is paused first (so the supervisor leaves them all alone, and
         # an application is not restarted between the savepoints of two of its jobs), then each is
         # stopped with a savepoint, then all are marked to resume from their savepoints.
@@ -45,7 +45,7 @@ def savepoint_job(jobs: list[Job]) -> dg.JobDefinition:
         try:
             spark = lakestream.spark(pyspark) if paused else None
             for name in paused:
-                savepoint = Savepoints(spark, settings, progress=context.log.info).create(get_job(name, settings))
+                savepoint = Savepoints(spark, settings, progress=context.log.info).create(by_name[name])
                 taken[name] = savepoint.id
                 context.log.info(f"{name}: savepoint {savepoint.id}")
         finally:  # resume every paused stream; from its savepoint when one was taken

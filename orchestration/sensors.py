@@ -24,14 +24,12 @@ from streaming.declaration import Job
 
 from .checks import health_evaluation
 from .resources import LakestreamResource
-from .streams import APP_JOB, APP_OP, DesiredState, jobs_of_run
-from .tables import landing_key, landing_observation, stream_key
+from .streams import ACTIVE, APP_JOB, APP_OP, JOBS_TAG, DesiredState, jobs_of_run
+from .tables import landing_key, landing_observation, landing_sources, stream_key
 
 MAX_ATTEMPTS = 5
 BACKOFF_S = 30.0
 REPORT_EVERY_S = 600
-ACTIVE = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
-          dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
 
 
 def health_sensor(jobs: list[Job]) -> dg.SensorDefinition:
@@ -54,7 +52,7 @@ def health_sensor(jobs: list[Job]) -> dg.SensorDefinition:
                 cursor[job.name] = [status, now]
                 reported.append(f"{job.name}: {status}")
         # The landing folders, observed on the same tick (runless observations: no run, no Spark).
-        for source in {s.name: s for j in jobs for s in j.sources if not s.is_table}.values():
+        for source in landing_sources(jobs):
             try:
                 metadata, version = landing_observation(settings, source, jobs)
             except dg.Failure:
@@ -86,7 +84,7 @@ def supervisor_sensor(jobs: list[Job], stream_jobs: list[dg.JobDefinition]) -> d
             request = supervise(context.instance, job, all_jobs=names)
             if request is not None:
                 requests.append(request)
-                covered.update(request.tags.get("lakestream/jobs", job.name).split(","))
+                covered.update(request.tags.get(JOBS_TAG, job.name).split(","))
         return requests or dg.SkipReason("every stream that should run is running")
 
     return stream_supervisor
@@ -162,7 +160,7 @@ def supervise(instance: dg.DagsterInstance, job: Job, now: float | None = None,
         run_key=f"{job.name}:{previous}:{int(now)}", job_name=name,
         run_config={"ops": {op: {"config": config}}},
         tags={"lakestream/restart-of": previous, "lakestream/restart-attempt": str(failures + 1),
-              "lakestream/restart-reason": reason, "lakestream/jobs": ",".join(together)},
+              "lakestream/restart-reason": reason, JOBS_TAG: ",".join(together)},
     )
 
 

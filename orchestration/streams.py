@@ -29,16 +29,19 @@ from dagster_pyspark import LazyPySparkResource
 from pydantic import Field
 
 from streaming.declaration import Job
-from streaming.durations import parse_duration
+from streaming.time import parse_duration
 from streaming.run.commit import BatchResult
-from streaming.jobs import get_job
-from streaming.run.runner import describe_watermark, run_streams
+from streaming.run.runner import run_streams
+from streaming.time import describe_watermark, is_finite
 from streaming.io.tables import job_sinks
 
 from .resources import LakestreamResource
 from .tables import day_keys, stream_key, table_key
 
 STREAM_TAG = "lakestream/stream"
+# The states of a run that holds (or is about to hold) its streams' checkpoints.
+ACTIVE = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+          dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
 
 
 class Mode(enum.Enum):
@@ -126,7 +129,7 @@ class MaterializationReporter:
                     watermark=watermark, state_rows=state_rows, late=s.late, quarantined=s.quarantined,
                     input_rate=float(progress.get("inputRowsPerSecond") or 0.0),
                     processing_rate=float(progress.get("processedRowsPerSecond") or 0.0),
-                    lag_s=max(0.0, (now_ms - watermark) / 1000) if 0 < watermark < 2**61 else 0.0,
+                    lag_s=max(0.0, (now_ms - watermark) / 1000) if is_finite(watermark) else 0.0,
                     complete=day is None or _day_complete(day, watermark),
                 )
 
@@ -146,7 +149,7 @@ class MaterializationReporter:
                 # materialized either way)
                 "day_complete": e["complete"],
             }
-            if 0 < e["watermark"] < 2**61:
+            if is_finite(e["watermark"]):
                 metadata["watermark_time"] = dg.MetadataValue.timestamp(e["watermark"] / 1000)
             self.context.log_event(dg.AssetMaterialization(
                 asset_key=table_key(table), partition=day, metadata=metadata,
@@ -196,25 +199,34 @@ class StreamsConfig(dg.Config):
     rollover_after: str = "24h"
 
 
+JOBS_TAG = "lakestream/jobs"  # the lakestream jobs a stream run runs, comma-separated
+
+
 def jobs_of_run(run: dg.DagsterRun, all_jobs: list[str]) -> list[str]:
-    """The lakestream jobs a stream run runs (from its Dagster job and run config)."""
+    """The lakestream jobs a stream run runs: its ``lakestream/jobs`` tag (every stream run has it: a job's own
+    stream job carries it, an application's run gets it when it starts), else its run config."""
+    tagged = run.tags.get(JOBS_TAG)
+    if tagged:
+        return tagged.split(",")
     if run.job_name == APP_JOB:
         config = (run.run_config or {}).get("ops", {}).get(APP_OP, {}).get("config", {})
         return list(config.get("jobs") or all_jobs)
-    return [run.job_name[: -len("_stream")]] if run.job_name.endswith("_stream") else []
+    return []
 
 
-def _run_streams(context: dg.OpExecutionContext, names: list[str], config, from_savepoints: dict[str, str],
+def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, from_savepoints: dict[str, str],
                  lakestream: LakestreamResource, pyspark: LazyPySparkResource, partitions_def) -> None:
     """What a stream run does, for one job or several (one query each, in one Spark application)."""
     interval = parse_duration(config.trigger_interval, field="trigger_interval")
     if config.max_files_per_trigger < 0:
         raise dg.Failure(f"max_files_per_trigger must be 1 or more (0: the job's setting), got {config.max_files_per_trigger}")
     settings = lakestream.settings()
+    names = [job.name for job in declared]
+    if context.run.tags.get(JOBS_TAG) != ",".join(names):
+        context.instance.add_run_tags(context.run_id, {JOBS_TAG: ",".join(names)})
     for name in names:
         extra = {"max_files_per_trigger": config.max_files_per_trigger} if config.max_files_per_trigger else {}
         settings = settings.with_job(name, trigger_interval=interval, **extra)
-    declared = [get_job(name, settings) for name in names]
     spark = lakestream.spark(pyspark)
     if from_savepoints:
         from streaming.checkpoint.savepoints import Savepoints
@@ -284,7 +296,7 @@ def _run_streams(context: dg.OpExecutionContext, names: list[str], config, from_
         else:  # no batch this run: the checkpoint still holds the stream's watermark
             from streaming.checkpoint.inspect import inspect_job
 
-            watermark = inspect_job(settings, get_job(report.job, settings)).watermark_ms
+            watermark = inspect_job(settings, next(j for j in declared if j.name == report.job)).watermark_ms
         context.log.info(f"{report.job}: {report.batches} batch(es), {s.lines:,} lines, {s.rows_written:,} rows "
                          f"written; watermark {describe_watermark(watermark)}")
 
@@ -293,11 +305,11 @@ def stream_job(job: Job, partitions_def) -> dg.JobDefinition:
     @dg.op(name=job.name, description=f"Run {job.name} as a stream.", tags={"kind": "spark"})
     def run(context: dg.OpExecutionContext, config: StreamConfig, lakestream: LakestreamResource,
             pyspark: LazyPySparkResource) -> None:
-        _run_streams(context, [job.name], config, {job.name: config.from_savepoint} if config.from_savepoint else {},
+        _run_streams(context, [job], config, {job.name: config.from_savepoint} if config.from_savepoint else {},
                      lakestream, pyspark, partitions_def)
 
     @dg.job(name=f"{job.name}_stream", description=f"Stream {job.name} ({job.description})",
-            tags={STREAM_TAG: job.name})
+            tags={STREAM_TAG: job.name, JOBS_TAG: job.name})
     def stream():
         run()
 
@@ -306,6 +318,7 @@ def stream_job(job: Job, partitions_def) -> dg.JobDefinition:
 
 def streams_job(jobs: list[Job], partitions_def) -> dg.JobDefinition:
     known = [j.name for j in jobs]
+    by_name = {j.name: j for j in jobs}
 
     @dg.op(name=APP_OP, description="Run the chosen jobs (config 'jobs', default all) as queries of one Spark "
                                      "application.", tags={"kind": "spark"})
@@ -318,7 +331,8 @@ def streams_job(jobs: list[Job], partitions_def) -> dg.JobDefinition:
         stray = [name for name in config.from_savepoints if name not in names]
         if stray:
             raise dg.Failure(f"'from_savepoints' names {', '.join(stray)}, which this run does not run ({', '.join(names)})")
-        _run_streams(context, names, config, config.from_savepoints, lakestream, pyspark, partitions_def)
+        _run_streams(context, [by_name[name] for name in names], config, config.from_savepoints, lakestream, pyspark,
+                     partitions_def)
 
     @dg.job(name=APP_JOB, description="Stream several jobs in one Spark application (run config: jobs, mode, "
                                       "trigger_interval, from_savepoints)", tags={STREAM_TAG: APP_JOB})

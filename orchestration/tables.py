@@ -10,8 +10,10 @@ from datetime import date, datetime, timedelta, timezone
 
 import dagster as dg
 
-from streaming.checkpoint.inspect import inspect_checkpoint, landing_files
+from streaming.checkpoint.inspect import inspect_checkpoint
+from streaming.checkpoint.tree import landing_files
 from streaming.declaration import Job, Source, Table
+from streaming.io.sources import kind_of
 from streaming.settings import Settings
 
 from .resources import LakestreamResource
@@ -30,7 +32,14 @@ def landing_key(source: str) -> dg.AssetKey:
 def input_key(source: Source) -> dg.AssetKey:
     """The asset a source's records come from: its table (a table source: lineage from the job that
     writes it) or its landing folder."""
-    return table_key(source.location) if source.is_table else landing_key(source.name)
+    upstream = kind_of(source).upstream_table(source)
+    return table_key(upstream) if upstream else landing_key(source.name)
+
+
+def landing_sources(jobs: list[Job]) -> list[Source]:
+    """The sources of ``jobs`` read from a landing folder (observed as landing assets), each once."""
+    sources = {s.name: s for j in jobs for s in j.sources}
+    return [s for s in sources.values() if kind_of(s).lands_in_folder]
 
 
 def partitions(settings: Settings) -> dg.DailyPartitionsDefinition:
@@ -56,7 +65,7 @@ def day_keys(first_ms: int | None, last_ms: int | None, partitions_def: dg.Daily
 def columns(settings: Settings, table: Table, fmt: str) -> dg.TableSchema | None:
     """The table's columns from its metadata files (Iceberg hadoop catalog or Delta log, on local disk or
     an object store through fsspec), or None."""
-    from streaming.checkpoint.inspect import Tree
+    from streaming.checkpoint.tree import Tree
 
     name = table.name.split(".")[2]
     try:
@@ -135,13 +144,13 @@ def landing_assets(sources: list[Source], jobs: list[Job]) -> dg.AssetsDefinitio
     specs = [dg.AssetSpec(landing_key(s.name), group_name="landing", kinds={s.format},
                           description=f"{_FILES[s.format]} of {s.name} records, filled in arrival order "
                                       f"({s.location or '$LAKESTREAM_HOME/landing/' + s.name}).")
-             for s in sources if not s.is_table]
+             for s in sources if kind_of(s).lands_in_folder]
 
     @dg.multi_observable_source_asset(specs=specs, name="landing_zone",
                                       description="Count the landing zone's files and what the streams have not read.")
     def observe(lakestream: LakestreamResource):
         settings = lakestream.settings()
-        for source in (s for s in sources if not s.is_table):
+        for source in (s for s in sources if kind_of(s).lands_in_folder):
             metadata, version = landing_observation(settings, source, jobs)
             yield dg.ObserveResult(asset_key=landing_key(source.name), metadata=metadata,
                                    data_version=dg.DataVersion(version))
@@ -152,7 +161,7 @@ def landing_assets(sources: list[Source], jobs: list[Job]) -> dg.AssetsDefinitio
 def landing_observation(settings: Settings, source: Source, jobs: list[Job]) -> tuple[dict, str]:
     """What a landing folder holds (files, bytes, and what its slowest reader has not read yet), and a
     data version that changes when files arrive. Pure Python (fsspec), no Spark."""
-    folder = settings.landing_dir(source)
+    folder = kind_of(source).landing_folder(settings, source)
     try:
         files = landing_files(folder, settings.storage_options)  # key -> (bytes, mtime ms)
     except (ValueError, OSError) as exc:

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Literal
 
-from .durations import to_ms
 from .errors import DeclarationError
+from .io.sources import FORMATS, kind_of
 from .keyed.function import EVENT_TIME, PROCESSING_TIME, KeyedProcessFunction, declared_state
-from .windows import Session, Sliding, Tumbling, Window, positive
+from .time import positive, to_ms
+from .windows import Window
 
 
 @dataclass(frozen=True)
@@ -178,9 +179,6 @@ class Table:
         return Table(f"{self.name}_{suffix}")
 
 
-FORMATS = ("json", "csv", "parquet", "table")
-
-
 @dataclass(frozen=True)
 class Source:
     """A folder of files in the landing zone, filled in arrival order (a file, once there, is not changed).
@@ -230,15 +228,11 @@ class Source:
                 raise DeclarationError(f"Source {self.name}: {key!r} (event time / dedup key) must be required")
         if self.format not in FORMATS:
             raise DeclarationError(f"Source {self.name}: format must be one of {', '.join(FORMATS)}, got {self.format!r}")
-        if self.format == "table":
-            if not self.location:
-                raise DeclarationError(f"Source {self.name}: a table source names its table, e.g. "
-                                       f"location='lake.silver.{self.name}'")
-            Table(self.location)  # lake.<namespace>.<table>
+        kind = kind_of(self.format)
+        kind.check(self)  # what the source's kind requires (a table source names its table...)
+        if kind.upstream_table(self):
+            Table(kind.upstream_table(self))  # lake.<namespace>.<table>
         if self.dedup_from:
-            if self.format != "table":
-                raise DeclarationError(f"Source {self.name}: dedup_from is for table sources; files carry their own "
-                                       f"dedup key field")
             unknown = [c for c in self.dedup_from if c not in names or c == self.dedup_key]
             if not isinstance(self.dedup_from, tuple) or unknown:
                 raise DeclarationError(f"Source {self.name}: dedup_from must be a tuple of its other fields, "
@@ -252,11 +246,6 @@ class Source:
     @property
     def field_names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.fields)
-
-    @property
-    def is_table(self) -> bool:
-        """Read from a lake table (``location``), not from a landing folder of files."""
-        return self.format == "table"
 
     @property
     def quarantine(self) -> Table:
@@ -319,7 +308,7 @@ class WindowedJob:
     def __post_init__(self) -> None:
         _check_name(self.name)
         _check_sources(self.name, self.sources)
-        if not isinstance(self.window, (Tumbling, Sliding, Session)):
+        if not isinstance(self.window, Window):
             raise DeclarationError(f"job {self.name}: window must be Tumbling, Sliding or Session, got {self.window!r}")
         if not self.keys:
             raise DeclarationError(f"job {self.name}: keys must name at least one column, e.g. keys=('user_id',)")

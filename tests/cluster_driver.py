@@ -10,7 +10,7 @@ import sys
 from datetime import datetime, timedelta
 
 from batch.backfill import backfill
-from streaming.jobs import get_job
+from streaming.project import get_job
 from streaming.run.runner import run_stream
 from streaming.spark.session import get_spark
 from streaming.settings import Settings

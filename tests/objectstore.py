@@ -9,7 +9,7 @@ from pathlib import Path
 
 import fsspec
 
-from streaming.checkpoint.inspect import landing_files
+from streaming.checkpoint.tree import landing_files
 
 
 def upload(settings, job: str, sources=("payments",)) -> tuple[str, str]:

@@ -17,10 +17,10 @@ import pytest
 
 from batch.backfill import backfill, final_horizon_ms
 from batch.reconcile import reconcile
-from streaming.durations import epoch_ms
+from streaming.time import epoch_ms
 from streaming.errors import OwnershipError
 from lakestream.generator import generate
-from streaming.jobs import get_job
+from streaming.project import get_job
 from streaming.run.runner import run_stream
 from streaming.io.tables import job_sinks
 from tests import oracle

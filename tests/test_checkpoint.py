@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from streaming.checkpoint.inspect import Thresholds, inspect_checkpoint
-from streaming.jobs import get_job
+from streaming.checkpoint.health import Thresholds
+from streaming.checkpoint.inspect import inspect_checkpoint
+from streaming.project import get_job
 from streaming.run.runner import run_stream
 from tests import oracle
 from tests.conftest import SMALL, settings_for

@@ -179,7 +179,7 @@ def test_materializing_a_partition_runs_the_bounded_twin_and_reports_reconciliat
     """The reconciliation is evaluated inside the run, from the comparison made before the replace,
     one per day, linked to the day's materialization; the same day materialized again (retries,
     schedules) works every time (it used to fail on a UNIQUE constraint of runless evaluations)."""
-    from streaming.jobs import get_job
+    from streaming.project import get_job
     from streaming.run.runner import run_stream
 
     settings = write_config(small_landing, {"purchase_metrics": {"max_files_per_trigger": 6}})
@@ -220,7 +220,7 @@ def test_materializing_a_partition_runs_the_bounded_twin_and_reports_reconciliat
 def test_a_day_the_stream_still_writes_is_refused_with_the_launchpad_fix(spark, small_landing):
     """Without ``force`` a day the live stream still owns fails the run with a ``dg.Failure`` that
     names the run config to set, and nothing is replaced."""
-    from streaming.jobs import get_job
+    from streaming.project import get_job
     from streaming.run.runner import run_stream
 
     settings = write_config(small_landing, {"purchase_metrics": {"max_files_per_trigger": 6}})
@@ -249,7 +249,7 @@ def test_dbt_builds_the_marts_on_the_session_and_they_match_pandas(spark, small_
     from dbt.cli.main import dbtRunner
 
     from orchestration.dbt import DBT_DIR, write_profiles
-    from streaming.jobs import registry
+    from streaming.project import registry
     from streaming.run.runner import run_stream
     from streaming.io.tables import job_sinks
 
@@ -278,7 +278,7 @@ def test_dbt_builds_the_marts_on_the_session_and_they_match_pandas(spark, small_
 
 @pytest.fixture
 def streamed(spark, small_landing):
-    from streaming.jobs import get_job
+    from streaming.project import get_job
     from streaming.run.runner import run_stream
 
     settings = write_config(small_landing, {"purchase_metrics": {"max_files_per_trigger": 6}})
@@ -336,7 +336,7 @@ def test_checkpoint_health_sensor_reports_healthy_stalled_and_corrupt_checkpoint
 
 
 def test_supervisor_restarts_a_crashed_stream_with_backoff_but_not_a_terminated_one(streamed):
-    from streaming.jobs import get_job
+    from streaming.project import get_job
 
     defs = defs_for(streamed)
     job = get_job("purchase_metrics")
@@ -367,7 +367,7 @@ def test_supervisor_restarts_a_crashed_stream_with_backoff_but_not_a_terminated_
 def test_savepoint_before_deploy_stops_the_stream_and_the_supervisor_resumes_from_the_savepoint(spark, small_landing):
     import threading
 
-    from streaming.jobs import get_job
+    from streaming.project import get_job
     from streaming.run.runner import run_stream
 
     settings = write_config(small_landing, {"purchase_metrics": {"max_files_per_trigger": 2, "trigger_interval": "1s"}})
@@ -472,7 +472,7 @@ def test_health_sensor_and_volume_checks_judge_a_checkpoint_on_an_object_store_a
 def test_a_run_outside_dagster_is_recorded_as_materializations(spark, small_landing):
     """`make demo` (run from a shell) shows in the UI: its tables materialized per day, with its figures."""
     from orchestration.record import record_outside_run
-    from streaming.jobs import get_job
+    from streaming.project import get_job
 
     job = get_job("purchase_metrics", small_landing)
     with dg.instance_for_test() as instance:

@@ -185,7 +185,7 @@ def test_the_instance_config_the_mode_choice_and_a_run_outside_dagster(servers):
     assert refused["__typename"] == "RunConfigValidationInvalid", refused
     # a run from a shell (`make demo`) recorded in this instance shows on the table in the UI's API
     env = {**os.environ, "DAGSTER_HOME": str(servers.dagster_home), "LAKESTREAM_HOME": str(servers.lake)}
-    code = ("from orchestration.record import record_outside_run; from streaming.jobs import get_job; "
+    code = ("from orchestration.record import record_outside_run; from streaming.project import get_job; "
             f"print(record_outside_run(get_job('purchase_metrics'), ['{DAY}'], what='lakestream demo', "
             "metadata={'lines': 1}))")
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)

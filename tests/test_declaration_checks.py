@@ -76,7 +76,7 @@ def test_the_bounded_twin_refuses_the_same_declaration(spark, lake):
 
 
 def _day():
-    from streaming.durations import from_epoch_ms
+    from streaming.time import from_epoch_ms
 
     start = from_epoch_ms(T0 - T0 % 86_400_000)
     return start, start + timedelta(days=1)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lakestream.generator import GeneratorConfig, generate
-from streaming.jobs import get_job
+from streaming.project import get_job
 from streaming.run.runner import run_stream
 from streaming.io.tables import job_sinks
 from tests import oracle

@@ -6,6 +6,7 @@ import stat
 import pytest
 
 from streaming.spark import localfs
+from streaming.settings import Settings
 from streaming.spark.session import stream_session
 
 needs_javac = pytest.mark.skipif(localfs._javac() is None, reason="no javac on this machine")  # noqa: SLF001
@@ -14,13 +15,13 @@ needs_javac = pytest.mark.skipif(localfs._javac() is None, reason="no javac on t
 @needs_javac
 def test_the_class_is_built_once_into_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LAKESTREAM_CACHE", str(tmp_path))
-    built = localfs.classes_dir()
+    built = localfs.classes_dir(Settings.load())
     assert built is not None and built.startswith(str(tmp_path))
     compiled = os.path.join(built, "lakestream", "hadoop", "NoForkLocalFileSystem.class")
     first = os.stat(compiled).st_mtime_ns
-    assert localfs.classes_dir() == built and os.stat(compiled).st_mtime_ns == first
+    assert localfs.classes_dir(Settings.load()) == built and os.stat(compiled).st_mtime_ns == first
     monkeypatch.setenv("LAKESTREAM_NO_FORK_FS", "0")
-    assert localfs.classes_dir() is None
+    assert localfs.classes_dir(Settings.load()) is None
 
 
 def _file_system(session, path: str):
@@ -32,7 +33,7 @@ def _file_system(session, path: str):
 @needs_javac
 def test_a_stream_session_writes_local_files_with_their_permissions_and_checksums(spark, tmp_path):
     assert localfs.loadable(spark), "the session's driver class path lacks the no-fork file system"
-    streams = stream_session(spark)
+    streams = stream_session(spark, Settings.load())
     fs = _file_system(streams, str(tmp_path))
     assert fs.getClass().getName() == localfs.FS_CLASS
     # the session's other queries keep Hadoop's own file system

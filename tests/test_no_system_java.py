@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 SCRIPT = """
 import json, os, sys
 from lakestream.generator import generate
-from streaming.jobs import get_job
+from streaming.project import get_job
 from streaming.run.runner import run_stream
 from streaming.spark.session import get_spark, java_major_version
 from streaming.settings import Settings

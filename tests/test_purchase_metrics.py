@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from batch.backfill import backfill
-from streaming.durations import epoch_ms
-from streaming.jobs import get_job
+from streaming.time import epoch_ms
+from streaming.project import get_job
 from streaming.run.runner import run_stream
 from tests import oracle
 from tests.conftest import SMALL

@@ -16,7 +16,7 @@ from streaming.declaration import Table
 from streaming.windows import Tumbling
 from streaming.errors import IncompatibleStateError, SavepointError
 from lakestream.generator import generate
-from streaming.jobs import get_job
+from streaming.project import get_job
 from streaming.run.runner import run_stream
 from streaming.checkpoint.savepoints import Savepoints
 from streaming.io.sinks import IcebergSink, sink_for

@@ -9,7 +9,7 @@ import pytest
 from streaming.declaration import Agg, Table, Watermark
 from streaming.windows import Tumbling
 from streaming.errors import ConfigError, DeclarationError
-from streaming.jobs import get_job, registry
+from streaming.project import get_job, registry
 from streaming.spark.session import spark_conf
 from streaming.settings import Settings
 

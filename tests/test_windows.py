@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from batch.backfill import backfill
 from streaming.declaration import Agg, Table, Watermark, WindowedJob
-from streaming.durations import from_epoch_ms
+from streaming.time import from_epoch_ms
 from streaming.run.runner import run_stream
 from streaming.jobs.sources import PAYMENTS
 from streaming.windows import Session, Sliding, Tumbling
@@ -302,7 +302,8 @@ def test_a_backfill_whose_transform_reads_fields_it_drops_keeps_them_for_it(spar
     filter sees nulls). Checked against a plain-Python count over the same events."""
     from pyspark.sql import functions as F
 
-    from streaming.windowed.batch import parse_sources, transform_inputs
+    from streaming.io.parse import parse_sources
+    from streaming.windowed.batch import transform_inputs
 
     def euro_cards(frame):
         kept = frame.where((F.col("currency") == "EUR") & F.col("card_id").startswith("c-"))

@@ -212,19 +212,3 @@ def committed_offsets(files: Files, layout: Layout) -> list | None:
         return None
     path = layout.offset(committed)
     return offset_sources(files.read_text(path), path)
-
-
-def is_table_offset(offset) -> bool:
-    """Whether a per-source offset is a table source's (Spark's Iceberg offset names a snapshot)."""
-    return isinstance(offset, dict) and offset.get("snapshot_id") is not None
-
-
-def table_snapshots(files: Files, layout: Layout, sources) -> dict[str, int]:
-    """The snapshot of each table source that the stream's last committed batch read up to (Spark's
-    Iceberg offsets: ``{"snapshot_id": ..., "position": ...}``, one line per source in the job's order)."""
-    offsets = committed_offsets(files, layout) or []
-    found = {}
-    for source, offset in zip(sources, offsets):
-        if getattr(source, "is_table", False) and is_table_offset(offset):
-            found[source.name] = int(offset["snapshot_id"])
-    return found

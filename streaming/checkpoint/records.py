@@ -17,11 +17,44 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from ..windowed.batch import NEG_INF_MS, BatchStats
+from ..time import NEG_INF_MS
 from ..errors import CheckpointCorruptError, IncompatibleStateError
 from ..spark.hadoopfs import HadoopFS
 from .layout import Layout, last_planned_and_committed
 from .store import Manifest
+
+@dataclass(frozen=True)
+class BatchStats:
+    """What one micro-batch (or bounded run) did; all counts are exact."""
+
+    lines: int = 0
+    quarantined: int = 0
+    events: int = 0  # valid, deduplicated events (on time + late)
+    duplicates: int = 0
+    late: int = 0  # rows of the late side output (windowed: one per event and missed window)
+    rows_written: int = 0  # main-table rows written (windows, keyed outputs)
+    rows_deleted: int = 0  # main-table rows deleted (retracted sessions, windows that left ``having``)
+    max_event_time_ms: int | None = None
+    watermark_in_ms: int = NEG_INF_MS
+    watermark_out_ms: int = NEG_INF_MS
+
+    def plus(self, other: "BatchStats") -> "BatchStats":
+        def mx(a, b):
+            return b if a is None else a if b is None else max(a, b)
+
+        return BatchStats(
+            lines=self.lines + other.lines,
+            quarantined=self.quarantined + other.quarantined,
+            events=self.events + other.events,
+            duplicates=self.duplicates + other.duplicates,
+            late=self.late + other.late,
+            rows_written=self.rows_written + other.rows_written,
+            rows_deleted=self.rows_deleted + other.rows_deleted,
+            max_event_time_ms=mx(self.max_event_time_ms, other.max_event_time_ms),
+            watermark_in_ms=min(self.watermark_in_ms, other.watermark_in_ms),
+            watermark_out_ms=max(self.watermark_out_ms, other.watermark_out_ms),
+        )
+
 
 KEEP_BATCHES = 2
 FORMAT = 3  # 3: incremental store (ids, pieces, evals); keyed state in buckets of keys

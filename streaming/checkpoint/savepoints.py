@@ -28,9 +28,11 @@ from typing import Callable
 from .compat import differences, refuse, stored_shuffle_partitions, stream_partitions
 from ..declaration import Job, Table
 from ..errors import SavepointError
+from ..io.sources import kind_of
 from ..spark.hadoopfs import HadoopFS
+from ..spark.jvm import hadoop_copy
 from .layout import Layout, numbered, offset_sources
-from ..run.runner import StreamControl
+from .lease import StreamControl
 from ..settings import Settings
 from ..io.sinks import sink_for
 from .records import EngineState
@@ -169,14 +171,10 @@ class Savepoints:
         self.say(f"{job.name} stopped")
 
     def _copy(self, source: str, target: str) -> None:
-        jvm = self.spark._jvm  # noqa: SLF001
-        conf = self.spark._jsc.hadoopConfiguration()  # noqa: SLF001
-        src, dst = jvm.org.apache.hadoop.fs.Path(source), jvm.org.apache.hadoop.fs.Path(target)
         if self.fs.exists(target):
             raise SavepointError(f"{target} already exists")
         self.fs.mkdirs(target.rsplit("/", 1)[0])
-        ok = jvm.org.apache.hadoop.fs.FileUtil.copy(src.getFileSystem(conf), src, dst.getFileSystem(conf), dst, False, conf)
-        if not ok:
+        if not hadoop_copy(self.spark, source, target):
             raise SavepointError(f"could not copy {source} to {target}")
 
     def _manifest(self, job: Job, savepoint_id: str, checkpoint: str, record, batch_id: int, now: datetime) -> dict:
@@ -193,7 +191,7 @@ class Savepoints:
             "code_version": code_version(),
             "batch_id": batch_id if batch_id >= 0 else None,
             "watermark_ms": record.watermark_ms if record else None,
-            "source": {"landing": [self.settings.input_of(s) for s in job.sources], "offsets": source_offset,
+            "source": {"landing": [kind_of(s).location(self.settings, s) for s in job.sources], "offsets": source_offset,
                        "last_planned_batch": offsets[-1] if offsets else None},
             "format": self.settings.format_of(job.name),
             "tables": {t.name: sink_for(self.spark, self.settings, t, job.name).version() for t in all_tables(job)},

@@ -34,6 +34,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from ..spark.columns import as_param, one_of, once, param, select
+from ..spark.metrics import observe, observed, packed
 from .layout import Layout
 
 _WRITES = itertools.count()
@@ -106,7 +107,7 @@ class Store:
         self.schemas = {"ids": IDS_SCHEMA, **schemas}
 
     # -- reading --------------------------------------------------------------------------
-    def _read(self, kind: str, files: list[StoreFile]) -> DataFrame | None:
+    def read(self, kind: str, files: list[StoreFile]) -> DataFrame | None:
         if not files:
             return None
         return self.spark.read.schema(self.schemas[kind]).parquet(*[f.path for f in files])
@@ -115,11 +116,11 @@ class Store:
         """Remembered ids whose event-time bucket is one of ``buckets`` (``BUCKET_MS`` wide; None: all)."""
         files = self.manifest.of_kind("ids")
         if buckets is None:
-            return self._read("ids", files)
+            return self.read("ids", files)
         frames = []
         for width in sorted({f.bucket_ms for f in files}):
             wanted = {b * BUCKET_MS // width for b in buckets}  # (floor(floor(t / 1 s) / 60) = floor(t / 1 min))
-            frame = self._read("ids", [f for f in files if f.bucket_ms == width and wanted.intersection(f.buckets)])
+            frame = self.read("ids", [f for f in files if f.bucket_ms == width and wanted.intersection(f.buckets)])
             if frame is not None:
                 frames.append(frame.where(one_of(F.col("_b"), sorted(wanted))))
         return reduce(DataFrame.unionAll, frames) if frames else None
@@ -127,17 +128,17 @@ class Store:
     def in_range(self, kind: str, lo_ms: int, hi_ms: int) -> DataFrame | None:
         """Rows of ``kind`` whose window starts in ``[lo_ms, hi_ms]``."""
         files = [f for f in self.manifest.of_kind(kind) if f.lo <= hi_ms and f.hi >= lo_ms]
-        frame = self._read(kind, files)
+        frame = self.read(kind, files)
         return None if frame is None else frame.where((as_param(F.col("ws")) >= param(lo_ms)) & (as_param(F.col("ws")) <= param(hi_ms)))
 
     def ending_in(self, kind: str, lo_ms: int, hi_ms: int) -> DataFrame | None:
         """Rows of ``kind`` whose window ends in ``(lo_ms, hi_ms]``."""
         files = [f for f in self.manifest.of_kind(kind) if f.expires_ms > lo_ms and f.lo <= hi_ms]
-        frame = self._read(kind, files)
+        frame = self.read(kind, files)
         return None if frame is None else frame.where((as_param(F.col("we")) > param(lo_ms)) & (as_param(F.col("we")) <= param(hi_ms)))
 
     def every(self, kind: str) -> DataFrame | None:
-        return self._read(kind, self.manifest.of_kind(kind))
+        return self.read(kind, self.manifest.of_kind(kind))
 
     # -- writing --------------------------------------------------------------------------
     def write(self, batch_id: int, frames: dict[str, DataFrame], folder: str | None = None) -> list[StoreFile]:
@@ -186,36 +187,3 @@ def _write_metrics(kind: str) -> list[F.Column]:
         buckets = F.sort_array(F.collect_set(F.col("_b")))
         metrics.append(F.array_join(F.transform(buckets, lambda b: b.cast("string")), ",").alias("buckets"))
     return metrics
-
-
-_METRICS = "m"
-
-
-def observe(frame: DataFrame, observation: Observation, metrics: list[F.Column] | F.Column) -> DataFrame:
-    """``frame`` observed by ``observation``: the named aggregates ``metrics`` (or their :func:`packed`
-    column), read with :func:`observed`. They travel as one JSON text (reading a metrics map entry by
-    entry costs py4j calls each)."""
-    return frame.observe(observation, metrics if isinstance(metrics, F.Column) else packed(metrics))
-
-
-def packed(metrics: list[F.Column]) -> F.Column:
-    return F.to_json(F.struct(*metrics)).alias(_METRICS)
-
-
-def observed(observation: Observation, timeout_s: float = 300.0) -> dict:
-    """The metrics an action observed (see :func:`observe`; a metric that is NULL is None).
-    ``Observation.get`` waits for ever when the metrics node was optimised away; fail with a clear
-    error instead (the stream restarts and replays the batch)."""
-    import json
-    import threading
-    from collections import defaultdict
-
-    from ..errors import EngineError
-
-    box: list = []
-    waiter = threading.Thread(target=lambda: box.append(observation._jo.get().apply(_METRICS)), daemon=True)  # noqa: SLF001
-    waiter.start()
-    waiter.join(timeout_s)
-    if not box:
-        raise EngineError(f"Spark reported no metrics for {observation._name} within {timeout_s:.0f}s")  # noqa: SLF001
-    return defaultdict(lambda: None, json.loads(box[0]))

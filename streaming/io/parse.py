@@ -18,6 +18,7 @@ from pyspark.sql import types as T
 
 from ..spark.columns import once, select
 from ..declaration import Field, Source
+from .sources.base import SOURCE
 
 AMOUNT_TYPE = T.DecimalType(18, 2)
 _DECIMAL = r"^[0-9]{1,12}(\.[0-9]{1,2})?$"  # a bare `decimal`: a non-negative amount, decimal(18,2)
@@ -154,3 +155,16 @@ def _build(source: Source, columns: list[str]) -> tuple[list[Column], ...]:
         reason.alias("_reason"),
     ]
     return first, expand, typed, last
+
+
+def parse_sources(job, raw: DataFrame, *, barrier: bool = True) -> DataFrame:
+    """Every line of every source of ``job``: typed fields (unioned by name), ``source``, reasons
+    (``barrier``: see :func:`parse`)."""
+    frames = []
+    for source in job.sources:
+        lines = raw.where(F.col(SOURCE) == source.name) if len(job.sources) > 1 else raw
+        frames.append(parse(lines, source, barrier=barrier).withColumn("source", F.lit(source.name)))
+    parsed = frames[0]
+    for frame in frames[1:]:
+        parsed = parsed.unionByName(frame, allowMissingColumns=True)
+    return parsed

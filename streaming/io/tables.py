@@ -1,8 +1,8 @@
-"""A job's tables (main sink, late side output, one quarantine table per source), their schemas,
-their creation, and their sinks in the configured format.
+"""A job's tables (main sink, late side output, one quarantine table per source), their creation, and their
+sinks in the configured format.
 
-Schemas are derived from the job's own plan over an empty input, so the tables always match what
-the engine writes. Main and late tables are partitioned by day of their time column.
+Schemas (``schemas``) are derived from the job's own plan over an empty input, so the tables always match
+what the engine writes. Main and late tables are partitioned by day of their time column.
 """
 
 from __future__ import annotations
@@ -11,24 +11,12 @@ from dataclasses import dataclass
 
 from pyspark.sql import types as T
 
+from ..spark.jvm import parse_ddl
 from ..declaration import Job, KeyedJob, Source, Table
 from ..settings import Settings
+from .schemas import QUARANTINE_SCHEMA, late_schema, main_time_column, late_time_column, windowed_fields
 from .sinks import Sink, sink_for
-
-RAW_SCHEMA = T.StructType([
-    T.StructField("value", T.StringType()),
-    T.StructField("source_file", T.StringType()),
-    T.StructField("_source", T.StringType()),
-])
-QUARANTINE_SCHEMA = T.StructType([
-    T.StructField("source", T.StringType()),
-    T.StructField("source_file", T.StringType()),
-    T.StructField("raw_line", T.StringType()),
-    T.StructField("reason", T.StringType()),
-    T.StructField("occurrences", T.LongType()),
-    T.StructField("detected_by", T.StringType()),
-])
-
+from .validation import check_job, transformed_schema
 
 @dataclass(frozen=True)
 class TableSpec:
@@ -38,59 +26,6 @@ class TableSpec:
     partition_column: str | None
     comment: str
     source: str | None = None
-
-
-def main_time_column(job: Job) -> str:
-    """The column that places a main-table row in time (partitions, backfill ranges)."""
-    return job.time_column if isinstance(job, KeyedJob) else "window_start"
-
-
-def late_time_column(job: Job) -> str:
-    return job.source.event_time if isinstance(job, KeyedJob) else "window_start"
-
-
-def empty_events(spark, job: Job):
-    """The typed events of the job's sources (every field, ``source``), empty: for analysis only."""
-    from ..windowed.batch import parse_sources
-
-    parsed = parse_sources(job, spark.createDataFrame([], RAW_SCHEMA))
-    return parsed.where(parsed["_reason"].isNull()).drop("_raw", "_reason")
-
-
-def check_job(spark, job: Job) -> None:
-    """Refuse a declaration Spark cannot run, with one line, before anything starts (see ``validation``)."""
-    from .validation import validate
-
-    validate(spark, job, empty_events(spark, job))
-
-
-def transformed_schema(spark, job: Job) -> T.StructType:
-    """The columns the job's transform produces (Spark analyses it; no Spark job runs)."""
-    from .validation import transformed
-
-    return transformed(job, empty_events(spark, job)).schema
-
-
-def late_schema(job: Job, transformed: T.StructType) -> T.StructType:
-    """The late side output, one schema for every job: the event's keys, id and time, the window it
-    missed (windowed jobs), the watermark and by how much, where it came from, the event as JSON."""
-    return T.StructType(
-        [T.StructField(k, transformed[k].dataType) for k in job.keys]
-        + [T.StructField(job.source.dedup_key, transformed[job.source.dedup_key].dataType),
-           T.StructField(job.source.event_time, T.TimestampType()),
-           T.StructField("window_start", T.TimestampType()), T.StructField("window_end", T.TimestampType()),
-           T.StructField("watermark_ms", T.LongType()), T.StructField("late_by_ms", T.LongType()),
-           T.StructField("source", T.StringType()), T.StructField("source_file", T.StringType()),
-           T.StructField("event", T.StringType())]
-    )
-
-
-def windowed_fields(job: Job, transformed: T.StructType) -> tuple[list[T.StructField], list[T.StructField]]:
-    """(key fields, aggregate fields) of a windowed job."""
-    from ..windowed.batch import aggregate_type
-
-    keys = [T.StructField(k, transformed[k].dataType) for k in job.keys]
-    return keys, [T.StructField(a.name, aggregate_type(a, transformed)) for a in job.aggregates]
 
 
 def store_schemas(spark, job: Job) -> dict[str, T.StructType]:
@@ -108,7 +43,7 @@ def _schemas(spark, job: Job) -> tuple[T.StructType, T.StructType]:
     check_job(spark, job)
     transformed = transformed_schema(spark, job)
     if isinstance(job, KeyedJob):
-        return T._parse_datatype_string(job.output), late_schema(job, transformed)  # noqa: SLF001 - Spark's DDL parser
+        return parse_ddl(job.output), late_schema(job, transformed)
     keys, aggs = windowed_fields(job, transformed)
     main = T.StructType(keys + [T.StructField("window_start", T.TimestampType()),
                                 T.StructField("window_end", T.TimestampType())] + aggs)

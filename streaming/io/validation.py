@@ -15,6 +15,8 @@ from pyspark.sql import types as T
 
 from ..declaration import Job, KeyedJob, WindowedJob
 from ..errors import DeclarationError
+from ..spark.jvm import parse_ddl
+from .schemas import RAW_SCHEMA, aggregate_type
 
 _CHECKED: set[tuple] = set()
 
@@ -91,7 +93,6 @@ def validate(spark, job: Job, events: DataFrame) -> None:
     if isinstance(job, WindowedJob):
         _check_aggregates(job, out.schema)
         if job.having:
-            from ..windowed.batch import aggregate_type
 
             fields = [out.schema[k] for k in job.keys]
             fields += [T.StructField("window_start", T.TimestampType()), T.StructField("window_end", T.TimestampType())]
@@ -99,8 +100,26 @@ def validate(spark, job: Job, events: DataFrame) -> None:
             _check_having(job, spark, T.StructType(fields))
     elif isinstance(job, KeyedJob):
         try:
-            T._parse_datatype_string(job.output)  # noqa: SLF001 - Spark's own DDL parser
+            parse_ddl(job.output)
         except Exception as exc:  # noqa: BLE001
             raise DeclarationError(f"job {job.name}: output {job.output!r} is not a Spark DDL schema: "
                                    f"{_first_line(exc)}") from None
     _CHECKED.add(key)
+
+
+def empty_events(spark, job: Job):
+    """The typed events of the job's sources (every field, ``source``), empty: for analysis only."""
+    from .parse import parse_sources
+
+    parsed = parse_sources(job, spark.createDataFrame([], RAW_SCHEMA))
+    return parsed.where(parsed["_reason"].isNull()).drop("_raw", "_reason")
+
+
+def check_job(spark, job: Job) -> None:
+    """Refuse a declaration Spark cannot run, with one line, before anything starts."""
+    validate(spark, job, empty_events(spark, job))
+
+
+def transformed_schema(spark, job: Job) -> T.StructType:
+    """The columns the job's transform produces (Spark analyses it; no Spark job runs)."""
+    return transformed(job, empty_events(spark, job)).schema

@@ -18,11 +18,10 @@ from collections import namedtuple
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from ..time import NEG_INF_MS, POS_INF_MS
 from .function import EVENT_TIME, PROCESSING_TIME, Context, Instant, RuntimeContext, TimerService, to_ms
 from .state import KeyStore, StoreHolder, codec
 
-NEG_INF_MS = -(2**62)
-POS_INF_MS = 2**62
 STATE_FORMAT = 3  # 2: remembered ids packed (``_Seen``); 3: values of declared types encoded (``state.codec``); older formats load as they are
 _ID_SEP = "\x1f"
 

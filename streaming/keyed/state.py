@@ -20,7 +20,7 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any, Callable, Iterator
 
-from ..durations import format_duration, to_ms
+from ..time import format_duration, to_ms
 from ..errors import DeclarationError
 
 # When the TTL clock of an entry restarts (Flink's StateTtlConfig.UpdateType).

@@ -10,7 +10,8 @@ commit. The batch record (statistics, watermark, store manifest) is written last
 acknowledged to Spark only after every table, the store and the record are written.
 
 One commit path for both kinds of job: a batch hands over its outputs (main rows, late rows,
-quarantined lines per source) with their row counts, and they are written concurrently.
+quarantined lines per source) with their row counts, and they are written concurrently. The batch of
+each kind of job is in ``run/windowed.py`` and ``run/keyed.py``.
 """
 
 from __future__ import annotations
@@ -18,23 +19,20 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
-from pyspark import StorageLevel
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..spark.columns import once
-from ..declaration import Job, KeyedJob, WindowedJob
-from ..windowed.batch import INTERPRETED_BATCH_LINES, SMALL_BATCH_LINES, BatchStats, Compaction, compact, compaction_due, maintain, plan_batch
-from ..errors import CheckpointCorruptError
-from .faults import FaultFn
-from ..spark.hadoopfs import HadoopFS
 from ..checkpoint.layout import Layout, query_id
-from ..io.sinks import OP, WATERMARK_KEY, Commit, Sink
-from ..checkpoint.records import BatchRecord, EngineState, Records, watermark_of
-from ..checkpoint.store import Store
+from ..checkpoint.records import BatchRecord, BatchStats, EngineState, Records
+from ..declaration import Job, KeyedJob
+from ..errors import CheckpointCorruptError
+from ..io.sinks import WATERMARK_KEY, Commit, Sink
+from ..spark.columns import once
+from ..spark.hadoopfs import HadoopFS
+from .faults import FaultFn
 from ..io.tables import JobSinks
 
 
@@ -96,13 +94,13 @@ class Output:
     upsert_keys: list[str] | None = None
 
 
-def _span(frame: DataFrame, column: str, *extra) -> dict:
+def count_span(frame: DataFrame, column: str, *extra) -> dict:
     base = once(("span", column), lambda: [F.count(F.lit(1)).alias("n"), F.min(F.unix_millis(column)).alias("lo"),
                                            F.max(F.unix_millis(column)).alias("hi")])
     return frame.agg(*base, *extra).first().asDict()
 
 
-class _Handler:
+class Handler:
     def __init__(self, job: Job, checkpoint: str, sinks: JobSinks, progress: ProgressFn | None, report: StreamReport,
                  fault: FaultFn | None = None):
         self.job = job
@@ -195,204 +193,20 @@ class _Handler:
 
 # Settings a small batch's own plans run with (after the plan Spark made for the batch), put back when
 # the batch ends: Spark records the stream's shuffle partitions in its offset log.
-_ONE_PARTITION = {"spark.sql.shuffle.partitions": "1"}
-_INTERPRETED = {"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
+ONE_PARTITION = {"spark.sql.shuffle.partitions": "1"}
+INTERPRETED = {"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
 
 
-def _override(spark, settings: dict[str, str], before: dict[str, str | None]) -> None:
-    """Set ``settings`` in the session, remembering in ``before`` what to put back (see :func:`_restore`)."""
+def override(spark, settings: dict[str, str], before: dict[str, str | None]) -> None:
+    """Set ``settings`` in the session, remembering in ``before`` what to put back (see :func:`restore`)."""
     for key, value in settings.items():
         before.setdefault(key, spark.conf.get(key, None))
         spark.conf.set(key, value)
 
 
-def _restore(spark, before: dict[str, str | None]) -> None:
+def restore(spark, before: dict[str, str | None]) -> None:
     for key, value in before.items():
         if value is None:
             spark.conf.unset(key)
         else:
             spark.conf.set(key, value)
-
-
-class WindowedHandler(_Handler):
-    """``foreachBatch`` of a windowed job: the engine's batch over the incremental store, then the commits."""
-
-    job: WindowedJob
-
-    def __init__(self, *args, store_schemas: dict, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.store_schemas = store_schemas
-
-    def __call__(self, raw: DataFrame, batch_id: int) -> None:
-        spark = raw.sparkSession
-        started = t = time.perf_counter()
-        timed = self.report.timed
-        # The statistics (a global aggregate) gain nothing from adaptive execution, which would run each of
-        # their stages as a job of its own; a large batch turns it on after them (see below).
-        spark.conf.set("spark.sql.adaptive.enabled", "false")
-        # Observed metrics (counts taken while writing) must survive an empty batch: AQE would replace an
-        # empty subtree, and the metrics node with it, by an empty relation.
-        spark.conf.set("spark.sql.adaptive.optimizer.excludedRules",
-                       "org.apache.spark.sql.execution.adaptive.AQEPropagateEmptyRelation")
-        # A collect with a limit (the repeated ids) reads every partition in one job, not one and then the rest.
-        spark.conf.set("spark.sql.limit.initialNumPartitions", "1000")
-        self._start(spark)
-        self._fault("batch-start", batch_id)
-        job = self.job
-        previous = self.previous(batch_id)
-        w_in = watermark_of(previous)
-        store = Store(spark, self.layout, previous.store if previous is not None else None, self.store_schemas)
-        batch = plan_batch(job, raw, watermark_in_ms=w_in, store=store, batch_id=batch_id,
-                           lines_before=previous.stats.lines if previous is not None else None)
-        stored = quarantined = None
-        compaction = None
-        before: dict[str, str | None] = {}
-        try:
-            due = compaction_due(job, store, w_in)
-            if due:  # merging the store's small files reads only what earlier batches wrote: alongside this batch
-                compacting = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compact-{job.name}")
-                compaction = compacting.submit(compact, job, store, batch_id, w_in, batch.types(), due)
-                compacting.shutdown(wait=False)
-            stats = batch.stats()
-            w_out = batch.next_watermark()
-            if stats.lines <= SMALL_BATCH_LINES:
-                # A small batch's time is per-plan overhead: one shuffle partition, no re-planning per stage.
-                _override(spark, _ONE_PARTITION, before)
-                if stats.lines <= INTERPRETED_BATCH_LINES:
-                    _override(spark, _INTERPRETED, before)
-            else:
-                # foreachBatch runs in the stream's session clone, where Spark turns AQE off for the sake of
-                # stateful operators. A windowed job's stream has none, so adaptive execution is safe here.
-                spark.conf.set("spark.sql.adaptive.enabled", "true")
-            t = timed("parse + stats", t)
-            commit = self.commit(batch_id, w_out)
-            # Three strands overlap: the quarantine's commit (it reads nothing but the cached lines) starts
-            # now; the store's write once the batch's events are planned; the late rows, the fired windows
-            # and their commits on this thread. None of them reads what another adds.
-            pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"batch-{job.name}")
-            quarantined = pool.submit(lambda: self.write(
-                [Output(self.sinks.quarantine[s], batch.quarantine(s), n) for s, n in batch.quarantined_by_source.items()],
-                commit, batch_id))
-            fired = batch.fire(w_out)
-            stored = pool.submit(store.write, batch_id, fired.store)
-            pool.shutdown(wait=False)
-            t = timed("plan", t)
-            outputs = []
-            n_late = 0
-            if batch.may_be_late():  # only a batch with events behind the watermark counts its late rows
-                late = batch.cache(batch.late())
-                span = _span(late, "window_start")
-                n_late = span["n"]
-                outputs.append(Output(self.sinks.late, late, n_late, 0, span["lo"], span["hi"]))
-            written = deleted = 0
-            if fired.rows is not None:
-                kept = batch.cache(fired.rows)
-                extra = once("deleted", lambda: [F.count(F.when(F.col(OP) == "delete", 1)).alias("deleted")]) \
-                    if OP in kept.columns else []
-                span = _span(kept, "window_start", *extra)
-                deleted = span.get("deleted") or 0
-                written = span["n"] - deleted
-                outputs.append(Output(self.sinks.main, kept, span["n"], deleted, span["lo"], span["hi"],
-                                      [*job.keys, "window_start"] if job.upserts else None))
-            t = timed("fire windows", t)
-            tables = self.write(outputs, commit, batch_id)
-            tables.update(quarantined.result())
-            t = timed("commits", t)
-            new_files = stored.result()
-            events = sum(f.rows for f in new_files if f.kind == "ids")
-            t = timed("dedup + windows + store", t)
-            stored = None
-            manifest, removed = maintain(job, store, new_files, compaction.result() if compaction else Compaction(), w_out)
-            stats = replace(stats, events=events, duplicates=stats.events - events, late=n_late,
-                            rows_written=written, rows_deleted=deleted, watermark_out_ms=w_out)
-            self.finish(batch_id, stats, previous, tables, started, store=manifest, removed=tuple(removed),
-                        state_rows=manifest.rows())
-            timed("store + record", t)
-        finally:
-            for strand in (quarantined, stored, compaction):  # a failure elsewhere: let the others end first
-                if strand is not None:
-                    strand.exception()
-            _restore(spark, before)
-            batch.release()
-
-
-class KeyedHandler(_Handler):
-    """``foreachBatch`` of a keyed job: the runtime's output rows split by kind and committed."""
-
-    job: KeyedJob
-
-    def __init__(self, *args, main_schema, key_buckets: int, bucket_labels: tuple[int, ...] | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.main_schema = main_schema
-        self.key_buckets = key_buckets
-        self.bucket_labels = bucket_labels
-        self._statistics: list | None = None
-
-    def statistics(self) -> list:
-        """The batch's counts and time ranges, in the job that runs the state function (built once: each
-        column is a few calls into the JVM)."""
-        if self._statistics is None:
-            job = self.job
-            self._statistics = [
-                F.count(F.when(F.col("_kind") == "out", 1)).alias("out"),
-                F.count(F.when(F.col("_kind") == "late", 1)).alias("late"),
-                F.coalesce(F.sum(F.when(F.col("_kind") == "q", F.col("_q_n"))), F.lit(0)).alias("bad"),
-                F.coalesce(F.sum("_s_in"), F.lit(0)).alias("inputs"),
-                F.coalesce(F.sum("_s_dup"), F.lit(0)).alias("dups"),
-                F.max("_s_max_t").alias("max_t"),
-                F.max("_s_wm").alias("wm"),
-                F.min(F.when(F.col("_kind") == "out", F.unix_millis(F.col(f"_o_{job.time_column}")))).alias("out_lo"),
-                F.max(F.when(F.col("_kind") == "out", F.unix_millis(F.col(f"_o_{job.time_column}")))).alias("out_hi"),
-                F.min(F.when(F.col("_kind") == "late", F.col("_l_t"))).alias("late_lo"),
-                F.max(F.when(F.col("_kind") == "late", F.col("_l_t"))).alias("late_hi"),
-                *[F.coalesce(F.sum(F.when((F.col("_kind") == "q") & (F.col("_q_src") == s.name), F.col("_q_n"))), F.lit(0))
-                  .alias(f"q_{s.name}")
-                  for s in job.sources],
-            ]
-        return self._statistics
-
-    def __call__(self, frame: DataFrame, batch_id: int) -> None:
-        from ..spark.keyed import split
-
-        spark = frame.sparkSession
-        started = t = time.perf_counter()
-        timed = self.report.timed
-        self._start(spark)
-        job = self.job
-        previous = self.previous(batch_id)
-        before: dict[str, str | None] = {}
-        frame = frame.persist(StorageLevel.MEMORY_AND_DISK)
-        try:
-            row = frame.agg(*self.statistics()).first()
-            t = timed("state function", t)
-            if row["inputs"] + row["bad"] <= SMALL_BATCH_LINES:
-                # The state function's plan is fixed (Spark planned it with the checkpoint's partitions); what
-                # follows splits a small output by table and shuffles it for each table's layout: one partition.
-                _override(spark, _ONE_PARTITION, before)
-            watermark_in = watermark_of(previous) if row["wm"] is None else int(row["wm"])
-            max_t = row["max_t"]
-            watermark_out = watermark_in if max_t is None else max(watermark_in, max_t - job.watermark.out_of_orderness_ms)
-            parts = split(job, frame, self.main_schema, watermark_in)
-
-            def part(name: str, rows: int) -> DataFrame | None:  # (a table without rows gets no commit)
-                return parts[name] if rows else None
-
-            outputs = [Output(self.sinks.quarantine[s.name], part(f"quarantine:{s.name}", row[f"q_{s.name}"]),
-                              row[f"q_{s.name}"]) for s in job.sources]
-            outputs.append(Output(self.sinks.late, part("late", row["late"]), row["late"], 0, row["late_lo"],
-                                  row["late_hi"]))
-            outputs.append(Output(self.sinks.main, part("main", row["out"]), row["out"], 0, row["out_lo"], row["out_hi"]))
-            tables = self.write(outputs, self.commit(batch_id, watermark_out), batch_id)
-            t = timed("commits", t)
-            stats = BatchStats(
-                lines=row["inputs"] + row["bad"], quarantined=row["bad"], events=row["inputs"] - row["dups"],
-                duplicates=row["dups"], late=row["late"], rows_written=row["out"], max_event_time_ms=max_t,
-                watermark_in_ms=watermark_in, watermark_out_ms=watermark_out,
-            )
-            self.finish(batch_id, stats, previous, tables, started, key_buckets=self.key_buckets,
-                        bucket_labels=self.bucket_labels)
-            timed("save record", t)
-        finally:
-            _restore(spark, before)
-            frame.unpersist()
-

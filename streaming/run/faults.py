@@ -4,9 +4,9 @@ A windowed batch passes ``batch-start`` before it reads its input; a batch passe
 ``committed:<table>`` after each table commit, ``before-state`` before its engine
 record is written and ``after-state`` once everything is written (Spark then records the batch
 as committed). In-process tests pass a function that raises at a point. A crash test that kills a
-child process sets ``LAKESTREAM_PAUSE_AT=<point>[,<point>...]``: at the first matching point the
-child writes ``<LAKESTREAM_PAUSE_DIR>/<point>@<batch>`` and sleeps, so the parent can SIGKILL
-it exactly there.
+child process sets ``LAKESTREAM_PAUSE_AT=<point>[,<point>...]`` (read into ``Settings.pause_at``): at the
+first matching point the child writes ``<pause_dir>/<point>@<batch>`` and sleeps, so the parent can
+SIGKILL it exactly there.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable
 
 FaultFn = Callable[[str, int], None]
 
 
-def pause_from_environment(environ: Mapping[str, str] | None = None) -> FaultFn | None:
-    env = os.environ if environ is None else environ
-    points = [p for p in env.get("LAKESTREAM_PAUSE_AT", "").split(",") if p]
+def pauses(settings) -> FaultFn | None:
+    """The pause function of ``settings.pause_at`` (None: no fault point is set)."""
+    points = list(settings.pause_at)
     if not points:
         return None
-    folder = Path(env.get("LAKESTREAM_PAUSE_DIR", "."))
-    seconds = float(env.get("LAKESTREAM_PAUSE_SECONDS", "30"))
+    folder = Path(settings.pause_dir)
+    seconds = settings.pause_seconds
     fired: set[str] = set()
 
     def pause(point: str, batch_id: int) -> None:

@@ -9,74 +9,27 @@ committed exactly once per batch (see ``run.commit``).
 from __future__ import annotations
 
 import functools
-import json
-import os
 import signal
-import socket
 import threading
 import time
 from typing import Callable
 
 from pyspark.sql import DataFrame
 
-from ..checkpoint.inspect import live_marker
+from ..checkpoint.lease import StreamControl
 from ..declaration import Job, KeyedJob
-from ..durations import format_duration, from_epoch_ms, iso_ms
-from ..windowed.batch import NEG_INF_MS, POS_INF_MS
-from ..io.landing import read_source, union
+from ..time import describe_watermark, format_duration
+from ..io.sources import kind_of, stream_all
 from ..errors import ConfigError
-from .commit import BatchResult, FaultFn, KeyedHandler, ProgressFn, StreamReport, WindowedHandler
+from .commit import BatchResult, FaultFn, ProgressFn, StreamReport
+from .keyed import KeyedHandler
+from .windowed import WindowedHandler
 from ..spark.hadoopfs import HadoopFS
 from ..checkpoint.layout import Layout
 from ..spark.session import stream_session
 from ..keyed.function import PROCESSING_TIME
 from ..settings import Settings
 from ..io.tables import job_sinks
-class StreamControl:
-    """Files beside the engine state that let other processes see and stop a running stream.
-
-    ``running`` (pid, host, query id) exists while a process runs the stream; ``stop-request``
-    asks it to stop after its current batch (stop-with-savepoint uses both).
-    """
-
-    def __init__(self, spark, checkpoint: str):
-        self._fs = HadoopFS(spark)
-        layout = Layout(checkpoint)
-        self.running_path = layout.running
-        self.stop_path = layout.stop_request
-
-    def mark_running(self, query_id: str | None) -> None:
-        self._fs.delete(self.stop_path)  # a request addressed to an earlier run is void
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "query_id": query_id, "started_ms": int(time.time() * 1000)}
-        self._fs.write_text(self.running_path, json.dumps(info))
-
-    def running(self) -> dict | None:
-        """The running marker, or None. A marker left by a dead process on this host is ignored."""
-        try:
-            info = json.loads(self._fs.read_text(self.running_path))
-        except (ValueError, FileNotFoundError):  # none, or cleared meanwhile: the stream has just stopped
-            return None
-        return live_marker(info)
-
-    def request_stop(self) -> None:
-        self._fs.write_text(self.stop_path, json.dumps({"requested_ms": int(time.time() * 1000)}))
-
-    def stop_requested(self) -> bool:
-        return self._fs.exists(self.stop_path)
-
-    def clear(self) -> None:
-        self._fs.delete(self.running_path)
-        self._fs.delete(self.stop_path)
-
-
-def describe_watermark(ms: int | None) -> str:
-    if ms is None or ms <= NEG_INF_MS:
-        return "-inf (no events yet)"
-    if ms >= POS_INF_MS:
-        return "+inf (end of input)"
-    return iso_ms(from_epoch_ms(ms))
-
-
 def print_progress(result: BatchResult) -> None:
     s = result.stats
     print(
@@ -89,25 +42,9 @@ def print_progress(result: BatchResult) -> None:
 
 
 def raw_stream(spark, settings: Settings, job: Job) -> DataFrame:
-    """The lines of every source folder of ``job`` as one stream: value, source_file, _source."""
-    overrides = settings.job(job.name)
-    fs = HadoopFS(spark)
-    spark = stream_session(spark)
-    frames = []
-    for source in job.sources:
-        if source.is_table:
-            frames.append(read_source(spark, None, source, stream=True,
-                                      max_files_per_trigger=overrides.max_files_per_trigger))
-            continue
-        landing = settings.landing_dir(source)
-        if not fs.exists(landing):
-            if settings.is_local:
-                fs.mkdirs(landing)
-            else:
-                raise ConfigError(f"landing folder {landing} does not exist; create it or fix 'landing' in the settings")
-        frames.append(read_source(spark, landing, source, stream=True,
-                                  max_files_per_trigger=overrides.max_files_per_trigger))
-    return union(frames)
+    """The records of every source of ``job`` as one stream (see ``io.sources``), read in the stream's own
+    copy of the session."""
+    return stream_all(stream_session(spark, settings), settings, job)
 
 
 def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, progress: ProgressFn | None = None,
@@ -125,7 +62,7 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
     raw = raw_stream(spark, settings, job)
     report = StreamReport(job=job.name)
     if isinstance(job, KeyedJob):
-        from ..windowed.batch import parse_sources
+        from ..io.parse import parse_sources
         from ..spark.keyed import bucket_labels, key_buckets, stream_frame
         from ..checkpoint.records import EngineState
 
@@ -175,7 +112,8 @@ def _paced_tables(settings: Settings, job: Job) -> bool:
     """A table source with ``max_files_per_trigger``: Iceberg's stream (1.10) ignores read limits under
     availableNow and reads everything in one batch, so such a run uses a processing-time trigger and
     stops when the input is drained."""
-    return settings.job(job.name).max_files_per_trigger is not None and any(s.is_table for s in job.sources)
+    limit = settings.job(job.name).max_files_per_trigger
+    return any(kind_of(s).paced_under_available_now(limit) for s in job.sources)
 
 
 def _drained(query, elapsed_s: float, timers: bool = True) -> bool:
@@ -277,7 +215,7 @@ def run_streams(
             reports.append(report)
             control.mark_running(report.query_id)
             if not available_now and progress is not None:
-                folders = ", ".join(settings.input_of(s) for s in job.sources)
+                folders = ", ".join(kind_of(s).location(settings, s) for s in job.sources)
                 print(
                     f"{job.name}: streaming from {folders} every "
                     f"{format_duration(settings.job(job.name).trigger_interval)}; Ctrl-C stops after the current batch",

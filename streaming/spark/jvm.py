@@ -1,6 +1,6 @@
-"""The calls that reach past PySpark's public API into Spark's own classes, in one module: a Spark
-upgrade changes this module and the keyed binding (``spark/keyed.py``), nothing else. Each call falls
-back to the public API's result when the class or method it needs is not there.
+"""The calls that reach past PySpark's public API into Spark's own classes (py4j, PySpark's private
+helpers), in one module: a Spark upgrade changes this module and the keyed binding (``spark/keyed.py``),
+nothing else. Where a call has a public equivalent of lesser speed, it falls back to it.
 """
 
 from __future__ import annotations
@@ -41,3 +41,95 @@ def cached_leaf(frame):
         return DataFrame(leaf, session)
     except Exception:  # noqa: BLE001 - another Spark: the frame as it is (slower to build on, same rows)
         return frame
+
+
+def referenced_columns(frame) -> set[str]:
+    """The names of every attribute ``frame``'s optimised plan references or outputs (what column pruning
+    left of its input)."""
+    names = set(frame.columns)
+    nodes = [frame._jdf.queryExecution().optimizedPlan()]  # noqa: SLF001
+    while nodes:
+        node = nodes.pop()
+        names.update(a.name() for a in _iterate(node.references().toSeq()))
+        nodes.extend(_iterate(node.children()))
+    return names
+
+
+def _iterate(seq):
+    it = seq.iterator()
+    while it.hasNext():
+        yield it.next()
+
+
+def observation_value(observation, name: str):
+    """The metric ``name`` of an ``Observation`` once its action has run; blocks until then (PySpark's
+    ``Observation.get`` converts every metric, one py4j call each)."""
+    return observation._jo.get().apply(name)  # noqa: SLF001
+
+
+def observation_name(observation) -> str:
+    return observation._name  # noqa: SLF001
+
+
+def has_class(spark, name: str) -> bool:
+    """Whether the driver's JVM can load class ``name``."""
+    try:
+        spark._jvm.java.lang.Class.forName(name)  # noqa: SLF001 - py4j gateway
+        return True
+    except Exception:  # noqa: BLE001 - py4j raises its own error for a missing class: the answer, not an error
+        return False
+
+
+def collect_arrow(frame):
+    """``frame``'s rows on the driver as Arrow record batches (Spark 3.5's Arrow collect; ``toArrow`` is 4.0's)."""
+    return frame._collect_as_arrow()  # noqa: SLF001
+
+
+def parse_ddl(text: str):
+    """A Spark DDL schema (``"a long, b string"``) as a ``StructType``, parsed by Spark's own parser."""
+    from pyspark.sql import types as T
+
+    return T._parse_datatype_string(text)  # noqa: SLF001
+
+
+def hadoop_copy(spark, source: str, target: str) -> bool:
+    """Copy a file or folder with Hadoop's ``FileUtil.copy`` (any file system Spark reaches)."""
+    jvm = spark._jvm  # noqa: SLF001
+    conf = spark._jsc.hadoopConfiguration()  # noqa: SLF001
+    src, dst = jvm.org.apache.hadoop.fs.Path(source), jvm.org.apache.hadoop.fs.Path(target)
+    return bool(jvm.org.apache.hadoop.fs.FileUtil.copy(src.getFileSystem(conf), src, dst.getFileSystem(conf), dst,
+                                                       False, conf))
+
+
+class _Callable:
+    """A Python function the JVM can call (``java.util.concurrent.Callable``) through Py4J."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.error: BaseException | None = None
+
+    def call(self):
+        try:
+            self.fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the Python caller
+            self.error = exc
+        return None
+
+    class Java:
+        implements = ["java.util.concurrent.Callable"]
+
+
+def with_iceberg_commit_properties(spark, properties: dict[str, str], fn) -> None:
+    """Run ``fn`` (which commits to Iceberg tables through Spark SQL, e.g. a MERGE) so that its commits carry
+    ``properties`` in their snapshot summaries (Iceberg's ``CommitMetadata.withCommitProperties``)."""
+    from pyspark.java_gateway import ensure_callback_server_started
+
+    run = _Callable(fn)
+    jvm = spark._jvm  # noqa: SLF001 - Py4J is the only way to Iceberg's CommitMetadata
+    ensure_callback_server_started(spark.sparkContext._gateway)  # noqa: SLF001
+    props = jvm.java.util.HashMap()
+    for key, value in properties.items():
+        props.put(key, value)
+    jvm.org.apache.iceberg.spark.CommitMetadata.withCommitProperties(props, run, jvm.java.lang.RuntimeException().getClass())
+    if run.error is not None:
+        raise run.error

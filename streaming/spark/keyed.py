@@ -23,6 +23,7 @@ import pickle
 import time
 import warnings
 import zipimport
+from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Iterator
@@ -35,6 +36,7 @@ from pyspark.sql.streaming.state import GroupStateTimeout
 
 from ..declaration import KeyedJob
 from ..errors import DeclarationError
+from .jvm import parse_ddl
 from ..keyed.function import PROCESSING_TIME
 from ..keyed.runtime import KeyedRuntime
 
@@ -106,7 +108,7 @@ def _freeze_heap() -> None:
     gc._lakestream_frozen = True
 
 
-def _transformed(job: KeyedJob, parsed: DataFrame, *, watermark: bool) -> DataFrame:
+def transformed_events(job: KeyedJob, parsed: DataFrame, *, watermark: bool = False) -> DataFrame:
     valid = parsed.where(F.col("_reason").isNull()).drop("_raw", "_reason")
     if watermark:
         valid = valid.withWatermark(job.source.event_time, f"{job.watermark.out_of_orderness_ms} milliseconds")
@@ -122,7 +124,7 @@ def _transformed(job: KeyedJob, parsed: DataFrame, *, watermark: bool) -> DataFr
 
 def main_schema(job: KeyedJob) -> T.StructType:
     """The main table's schema: the job's declared ``output``."""
-    return T._parse_datatype_string(job.output)  # noqa: SLF001 - Spark's own DDL parser
+    return parse_ddl(job.output)
 
 
 def _bucket(job: KeyedJob, buckets: int, labels: tuple[int, ...] | None = None) -> F.Column:
@@ -185,7 +187,7 @@ class _Wire:
 def _inputs(job: KeyedJob, parsed: DataFrame, *, stream: bool, buckets: int,
             labels: tuple[int, ...] | None = None) -> tuple[DataFrame, T.StructType]:
     """Valid transformed events and invalid lines as one frame keyed by ``job.keys``."""
-    events = _transformed(job, parsed, watermark=stream)
+    events = transformed_events(job, parsed, watermark=stream)
     payload = events.schema
     wire = _Wire(job, payload)
     extra, extra_types = [], []
@@ -517,6 +519,81 @@ def bounded_frame(job: KeyedJob, parsed: DataFrame) -> DataFrame:
         return adapter.process_bucket(pdf, {}, 0, started_ms, bounded=True)
 
     return _unpacked(frame.groupBy(BUCKET).applyInPandas(process, output))
+
+
+@dataclass(frozen=True)
+class KeyedCounts:
+    """What the keyed function's output of a batch (or bounded run) holds, counted in one pass over it."""
+
+    outputs: int  # main-table rows
+    late: int  # late elements (late side output rows)
+    quarantined: dict[str, int]  # invalid lines per source
+    inputs: int  # elements the function received (duplicates included)
+    duplicates: int
+    max_event_time_ms: int | None
+    watermark_ms: int | None  # the watermark Spark gave the state function (None: no key ran)
+    outputs_range_ms: tuple[int | None, int | None]  # of the output rows' time column
+    late_range_ms: tuple[int | None, int | None]  # of the late elements' event times
+
+    @property
+    def bad(self) -> int:
+        return sum(self.quarantined.values())
+
+
+class KeyedOutput:
+    """One batch's output of the keyed binding, typed: its counts, and one frame per table. ``frame`` is the
+    binding's own output (its wire columns are known here and nowhere else); keep it cached while in use."""
+
+    def __init__(self, job: KeyedJob, frame: DataFrame, main: T.StructType):
+        self.job = job
+        self.frame = frame
+        self.main_schema = main
+        self._parts: _Parts | None = None
+
+    def counts(self) -> KeyedCounts:
+        job = self.job
+        row = self.frame.agg(*_statistics(job)).first()
+        return KeyedCounts(
+            outputs=row["out"], late=row["late"], quarantined={s.name: row[f"q_{s.name}"] for s in job.sources},
+            inputs=row["inputs"], duplicates=row["dups"], max_event_time_ms=row["max_t"],
+            watermark_ms=None if row["wm"] is None else int(row["wm"]),
+            outputs_range_ms=(row["out_lo"], row["out_hi"]), late_range_ms=(row["late_lo"], row["late_hi"]))
+
+    def _split(self) -> _Parts:
+        if self._parts is None:
+            self._parts = split(self.job, self.frame, self.main_schema)
+        return self._parts
+
+    def main(self) -> DataFrame:
+        return self._split()["main"]
+
+    def late(self, watermark_ms: int | None) -> DataFrame:
+        """The late side output's rows, each with the watermark it was late for and by how much."""
+        return split(self.job, self.frame, self.main_schema, watermark_ms)["late"]
+
+    def quarantine(self, source: str) -> DataFrame:
+        return self._split()[f"quarantine:{source}"]
+
+
+def _statistics(job: KeyedJob) -> list:
+    """The counts and time ranges of the function's output (built once per job: each column is a few calls
+    into the JVM)."""
+    from .columns import once
+
+    return once("keyed statistics", lambda: [
+        F.count(F.when(F.col("_kind") == "out", 1)).alias("out"),
+        F.count(F.when(F.col("_kind") == "late", 1)).alias("late"),
+        F.coalesce(F.sum("_s_in"), F.lit(0)).alias("inputs"),
+        F.coalesce(F.sum("_s_dup"), F.lit(0)).alias("dups"),
+        F.max("_s_max_t").alias("max_t"),
+        F.max("_s_wm").alias("wm"),
+        F.min(F.when(F.col("_kind") == "out", F.unix_millis(F.col(f"{OUT}{job.time_column}")))).alias("out_lo"),
+        F.max(F.when(F.col("_kind") == "out", F.unix_millis(F.col(f"{OUT}{job.time_column}")))).alias("out_hi"),
+        F.min(F.when(F.col("_kind") == "late", F.col("_l_t"))).alias("late_lo"),
+        F.max(F.when(F.col("_kind") == "late", F.col("_l_t"))).alias("late_hi"),
+        *[F.coalesce(F.sum(F.when((F.col("_kind") == "q") & (F.col("_q_src") == s.name), F.col("_q_n"))), F.lit(0))
+          .alias(f"q_{s.name}") for s in job.sources],
+    ], job)
 
 
 class _Parts(dict):

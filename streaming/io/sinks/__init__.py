@@ -17,11 +17,9 @@ __all__ = ["COMMIT_KEY", "OP", "WATERMARK_KEY", "Commit", "Sink", "is_conflict",
 
 
 def delta_spark_available(spark) -> bool:
-    try:
-        spark._jvm.java.lang.Class.forName("io.delta.sql.DeltaSparkSessionExtension")  # noqa: SLF001
-        return True
-    except Exception:  # noqa: BLE001 - a missing class is the answer, not an error
-        return False
+    from ...spark.jvm import has_class
+
+    return has_class(spark, "io.delta.sql.DeltaSparkSessionExtension")
 
 
 def sink_for(spark, settings: Settings, table: Table, job: str | None = None) -> Sink:

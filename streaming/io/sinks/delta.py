@@ -29,6 +29,7 @@ from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
 from ...declaration import Table
+from ...spark.jvm import collect_arrow
 from .base import OP, WATERMARK_KEY, Commit, with_retries
 
 
@@ -42,7 +43,7 @@ def _iso(ms: int) -> str:
 def to_arrow(frame: DataFrame) -> pa.Table:
     """Collect a (small) Spark frame to the driver as an Arrow table with the frame's schema."""
     schema = to_arrow_schema(frame.schema)
-    batches = frame._collect_as_arrow()  # noqa: SLF001 - Spark 3.5's Arrow collect (public toArrow is 4.0)
+    batches = collect_arrow(frame)
     if not batches:
         return schema.empty_table()
     return pa.Table.from_batches(batches).cast(schema)

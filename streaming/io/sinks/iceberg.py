@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import itertools
 from datetime import datetime, timezone
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from ...declaration import Table
+from ...spark.jvm import with_iceberg_commit_properties
 from .base import COMMIT_KEY, OP, Commit, with_retries
 
 DAY_MS = 86_400_000
@@ -35,24 +36,6 @@ def _sql_ts(ms: int) -> str:
 
 
 SMALL_WRITE_ROWS = 100_000  # rows one task writes unshuffled (Iceberg's fanout writer, a file per partition)
-
-
-class _Callable:
-    """A Python function the JVM can call (``java.util.concurrent.Callable``) through Py4J."""
-
-    def __init__(self, fn: Callable[[], None]):
-        self.fn = fn
-        self.error: BaseException | None = None
-
-    def call(self):
-        try:
-            self.fn()
-        except BaseException as exc:  # noqa: BLE001 - handed back to the Python caller
-            self.error = exc
-        return None
-
-    class Java:
-        implements = ["java.util.concurrent.Callable"]
 
 
 class IcebergSink:
@@ -221,18 +204,6 @@ class IcebergSink:
         view = f"lakestream_src_{next(_views)}"
         frame.createOrReplaceTempView(view)
         try:
-            run = _Callable(lambda: spark.sql(statement.format(view=view)))
-            jvm = spark._jvm  # noqa: SLF001 - Py4J is the only way to Iceberg's CommitMetadata
-            from pyspark.java_gateway import ensure_callback_server_started
-
-            ensure_callback_server_started(spark.sparkContext._gateway)  # noqa: SLF001
-            props = jvm.java.util.HashMap()
-            for key, value in properties.items():
-                props.put(key, value)
-            jvm.org.apache.iceberg.spark.CommitMetadata.withCommitProperties(
-                props, run, jvm.java.lang.RuntimeException().getClass()
-            )
-            if run.error is not None:
-                raise run.error
+            with_iceberg_commit_properties(spark, dict(properties), lambda: spark.sql(statement.format(view=view)))
         finally:
             spark.catalog.dropTempView(view)

@@ -1,0 +1,122 @@
+"""``foreachBatch`` of a windowed job: the event-time batch (``windowed``) over the incremental store, then
+its commits, exactly once per table (see ``commit``)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from ..checkpoint.records import watermark_of
+from ..checkpoint.store import Store
+from ..declaration import WindowedJob
+from ..io.sinks import OP
+from ..spark.columns import once
+from ..windowed.batch import INTERPRETED_BATCH_LINES, SMALL_BATCH_LINES, plan_batch
+from ..windowed.compaction import Compaction, compact, compaction_due, maintain
+from .commit import INTERPRETED, ONE_PARTITION, Handler, Output, count_span, override, restore
+
+
+class WindowedHandler(Handler):
+    """``foreachBatch`` of a windowed job: the engine's batch over the incremental store, then the commits."""
+
+    job: WindowedJob
+
+    def __init__(self, *args, store_schemas: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.store_schemas = store_schemas
+
+    def __call__(self, raw: DataFrame, batch_id: int) -> None:
+        spark = raw.sparkSession
+        started = t = time.perf_counter()
+        timed = self.report.timed
+        # The statistics (a global aggregate) gain nothing from adaptive execution, which would run each of
+        # their stages as a job of its own; a large batch turns it on after them (see below).
+        spark.conf.set("spark.sql.adaptive.enabled", "false")
+        # Observed metrics (counts taken while writing) must survive an empty batch: AQE would replace an
+        # empty subtree, and the metrics node with it, by an empty relation.
+        spark.conf.set("spark.sql.adaptive.optimizer.excludedRules",
+                       "org.apache.spark.sql.execution.adaptive.AQEPropagateEmptyRelation")
+        # A collect with a limit (the repeated ids) reads every partition in one job, not one and then the rest.
+        spark.conf.set("spark.sql.limit.initialNumPartitions", "1000")
+        self._start(spark)
+        self._fault("batch-start", batch_id)
+        job = self.job
+        previous = self.previous(batch_id)
+        w_in = watermark_of(previous)
+        store = Store(spark, self.layout, previous.store if previous is not None else None, self.store_schemas)
+        batch = plan_batch(job, raw, watermark_in_ms=w_in, store=store, batch_id=batch_id,
+                           lines_before=previous.stats.lines if previous is not None else None)
+        stored = quarantined = None
+        compaction = None
+        before: dict[str, str | None] = {}
+        try:
+            due = compaction_due(job, store, w_in)
+            if due:  # merging the store's small files reads only what earlier batches wrote: alongside this batch
+                compacting = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compact-{job.name}")
+                compaction = compacting.submit(compact, job, store, batch_id, w_in, batch.types(), due)
+                compacting.shutdown(wait=False)
+            stats = batch.stats()
+            w_out = batch.next_watermark()
+            if stats.lines <= SMALL_BATCH_LINES:
+                # A small batch's time is per-plan overhead: one shuffle partition, no re-planning per stage.
+                override(spark, ONE_PARTITION, before)
+                if stats.lines <= INTERPRETED_BATCH_LINES:
+                    override(spark, INTERPRETED, before)
+            else:
+                # foreachBatch runs in the stream's session clone, where Spark turns AQE off for the sake of
+                # stateful operators. A windowed job's stream has none, so adaptive execution is safe here.
+                spark.conf.set("spark.sql.adaptive.enabled", "true")
+            t = timed("parse + stats", t)
+            commit = self.commit(batch_id, w_out)
+            # Three strands overlap: the quarantine's commit (it reads nothing but the cached lines) starts
+            # now; the store's write once the batch's events are planned; the late rows, the fired windows
+            # and their commits on this thread. None of them reads what another adds.
+            pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"batch-{job.name}")
+            quarantined = pool.submit(lambda: self.write(
+                [Output(self.sinks.quarantine[s], batch.quarantine(s), n) for s, n in batch.quarantined_by_source.items()],
+                commit, batch_id))
+            fired = batch.fire(w_out)
+            stored = pool.submit(store.write, batch_id, fired.store)
+            pool.shutdown(wait=False)
+            t = timed("plan", t)
+            outputs = []
+            n_late = 0
+            if batch.may_be_late():  # only a batch with events behind the watermark counts its late rows
+                late = batch.cache(batch.late())
+                span = count_span(late, "window_start")
+                n_late = span["n"]
+                outputs.append(Output(self.sinks.late, late, n_late, 0, span["lo"], span["hi"]))
+            written = deleted = 0
+            if fired.rows is not None:
+                kept = batch.cache(fired.rows)
+                extra = once("deleted", lambda: [F.count(F.when(F.col(OP) == "delete", 1)).alias("deleted")]) \
+                    if OP in kept.columns else []
+                span = count_span(kept, "window_start", *extra)
+                deleted = span.get("deleted") or 0
+                written = span["n"] - deleted
+                outputs.append(Output(self.sinks.main, kept, span["n"], deleted, span["lo"], span["hi"],
+                                      [*job.keys, "window_start"] if job.upserts else None))
+            t = timed("fire windows", t)
+            tables = self.write(outputs, commit, batch_id)
+            tables.update(quarantined.result())
+            t = timed("commits", t)
+            new_files = stored.result()
+            events = sum(f.rows for f in new_files if f.kind == "ids")
+            t = timed("dedup + windows + store", t)
+            stored = None
+            manifest, removed = maintain(job, store, new_files, compaction.result() if compaction else Compaction(), w_out)
+            stats = replace(stats, events=events, duplicates=stats.events - events, late=n_late,
+                            rows_written=written, rows_deleted=deleted, watermark_out_ms=w_out)
+            self.finish(batch_id, stats, previous, tables, started, store=manifest, removed=tuple(removed),
+                        state_rows=manifest.rows())
+            timed("store + record", t)
+        finally:
+            for strand in (quarantined, stored, compaction):  # a failure elsewhere: let the others end first
+                if strand is not None:
+                    strand.exception()
+            restore(spark, before)
+            batch.release()
