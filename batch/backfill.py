@@ -72,10 +72,10 @@ def check_range(start: datetime, end: datetime) -> None:
         )
 
 
-def final_horizon_ms(spark, settings: Settings, job: Job) -> int | None:
-    """The event time before which the live stream will write nothing more (None: no stream yet)."""
-    state = EngineState(spark, settings.checkpoint_dir(job.name))
-    record = state.latest_record()
+def final_horizon_ms(spark, settings: Settings, job: Job, *, lateness: bool = True) -> int | None:
+    """The event time before which the stream will write nothing more (None: no stream yet). ``lateness=False``:
+    before which every window (keyed: every output) has been written at least once."""
+    record = EngineState(spark, settings.checkpoint_dir(job.name)).latest_record()
     if record is None:
         return None
     w = record.watermark_ms
@@ -83,23 +83,55 @@ def final_horizon_ms(spark, settings: Settings, job: Job) -> int | None:
         return w
     # the pieces the stream still holds begin where the store's manifest says (no read needed)
     open_starts = [f.lo for f in record.store.of_kind("pieces")]
-    return job.window.final_horizon_ms(w, job.watermark.allowed_lateness_ms, open_starts)
+    return job.window.final_horizon_ms(w, job.watermark.allowed_lateness_ms if lateness else 0, open_starts)
 
 
-def check_ownership(spark, settings: Settings, job: Job, end_ms: int, force: bool, say: Callable[[str], None]) -> None:
+@dataclass
+class Ownership:
+    """What a backfill may replace beside the job's stream: ``[lo, hi_ms)``; ``lease``: the job's lease, held
+    while it writes windows a stopped stream still holds open (recorded as a forced range: the stream, when it
+    resumes, upserts them instead of appending them again)."""
+
+    hi_ms: int
+    lease: object | None = None
+    forced_range: tuple[int, int] | None = None
+
+
+def ownership(spark, settings: Settings, job: Job, lo_ms: int, hi_ms: int, force: bool,
+              say: Callable[[str], None]) -> Ownership:
+    """Who writes which windows of ``[lo, hi)``: the stream owns every window it may still write (past its
+    final horizon). Without ``force`` such a range is refused. With it, the windows the stream has already
+    written are replaced (a stream that corrects a window later upserts it: its write wins); the windows it
+    still holds open are left to a running stream (it appends them when they close) and written for a stopped
+    one, which then upserts them when it resumes. Keyed outputs have no key to upsert on: they are left to
+    the stream past its watermark, running or not."""
+    from streaming.checkpoint.lease import Lease
+
     horizon = final_horizon_ms(spark, settings, job)
-    if horizon is None or end_ms <= horizon:
-        return
+    if horizon is None or hi_ms <= horizon:
+        return Ownership(hi_ms)
+    lease = Lease(settings.checkpoint_dir(job.name), settings.storage_options, job=job.name)
+    holder = lease.holder()
     where = iso_ms(from_epoch_ms(horizon)) if is_finite(horizon) else "the beginning (no window is final yet)"
-    if force:
-        say(f"{job.name}: --force: the range ends after {where}, where the live stream's windows are final; "
-            "the stream may still write (and win) there")
-        return
-    raise OwnershipError(
-        f"{job.name}: the range ends at {iso_ms(from_epoch_ms(end_ms))}, but the live stream may still write windows "
-        f"after {where} (its watermark minus allowed lateness); backfill an earlier range, wait for the stream, "
-        "or pass --force to overwrite anyway"
-    )
+    state = f"running ({holder.describe()})" if holder is not None else "stopped"
+    if not force:
+        raise OwnershipError(
+            f"{job.name}: the range ends at {iso_ms(from_epoch_ms(hi_ms))}, but its stream ({state}) may still write "
+            f"windows starting after {where} (its watermark minus allowed lateness); backfill an earlier range, or "
+            "let the stream reach the range's end; forcing replaces what the stream has written and leaves it the "
+            "windows it still holds open")
+    written = final_horizon_ms(spark, settings, job, lateness=False)
+    if holder is None and not isinstance(job, KeyedJob):
+        lease.acquire("backfill")  # (no stream starts while the range is recorded and written)
+        say(f"{job.name}: forced: its stream is stopped; the windows of the range it still holds open are written "
+            "now, and the stream upserts them when it resumes")
+        return Ownership(hi_ms, lease, (lo_ms, hi_ms))
+    cut = max(lo_ms, min(hi_ms, written))
+    say(f"{job.name}: forced: replacing [{iso_ms(from_epoch_ms(lo_ms))}, {iso_ms(from_epoch_ms(cut))}); "
+        f"{'windows' if not isinstance(job, KeyedJob) else 'outputs'} from {iso_ms(from_epoch_ms(cut))} on are left "
+        f"to the {'running' if holder is not None else 'stopped'} stream, which writes them "
+        f"{'when they close' if not isinstance(job, KeyedJob) else 'as their elements and timers come'}")
+    return Ownership(cut)
 
 
 def day_partitions(lo_ms: int, hi_ms: int) -> int:
@@ -117,8 +149,24 @@ def backfill(spark, settings: Settings, job: Job, start: datetime, end: datetime
     say = progress or (lambda _m: None)
     check_range(start, end)
     lo, hi = epoch_ms(start), epoch_ms(end)
-    check_ownership(spark, settings, job, hi, force, say)
+    owner = ownership(spark, settings, job, lo, hi, force, say)
+    try:
+        return _backfill(spark, settings, job, start, end, lo, owner, say, reconcile_first)
+    finally:
+        if owner.lease is not None:
+            owner.lease.release()
+
+
+def _backfill(spark, settings: Settings, job: Job, start: datetime, end: datetime, lo: int, owner: Ownership,
+              say: Callable[[str], None], reconcile_first: bool) -> BackfillReport:
+    hi = owner.hi_ms
     started = time.monotonic()
+    if hi <= lo:
+        say(f"{job.name}: nothing of [{iso_ms(start)}, {iso_ms(end)}) to replace: the stream still writes all of it")
+        return BackfillReport(job=job.name, start=start, end=end, stats=BatchStats(), seconds=0.0, partitions=0)
+    if owner.forced_range is not None:  # recorded before anything is written: the stream upserts there on resume
+        state = EngineState(spark, settings.checkpoint_dir(job.name))
+        state.save_forced_ranges([*state.forced_ranges(), owner.forced_range])
     sinks = job_sinks(spark, settings, job)
     days = day_partitions(lo, hi)
     tables = 2 + len(job.sources)
@@ -171,6 +219,7 @@ def _quarantine(sinks, result, source: str, frame, props) -> str:
     name = sinks.quarantine[source].table.name
     if result.quarantined(source) == 0:  # (None: not counted apart, so written)
         return f"{name}: nothing quarantined, left as it is"
+    frame = frame.withColumn("written_by", F.lit(f"backfill:{props['lakestream.backfill']}"))
     sinks.quarantine[source].insert_missing(frame, ("source_file", "raw_line"), props)
     return f"{name}: quarantined lines added where missing"
 

@@ -32,6 +32,7 @@ from streaming.time import epoch_ms, from_epoch_ms, iso_ms
 from streaming.errors import LakestreamError
 from streaming.settings import Settings
 from streaming.io.sinks import sink_for
+from streaming.spark.columns import join_keys
 from streaming.io.sources import kind_of, positions
 from streaming.checkpoint.records import EngineState
 from streaming.io.schemas import main_time_column
@@ -215,12 +216,12 @@ def _mark_unread_input(spark, settings: Settings, job: Job, units: DataFrame) ->
         events = transformed_events(job, parse_sources(job, raw))
         keys = [k for k in job.keys if k in units.columns]
         first = events.groupBy(*keys).agg(F.min(job.source.event_time).alias("_first_unread"))
-        marked = units.join(first, keys, "left").withColumn(
+        marked = join_keys(units, first, keys, "left").withColumn(
             "_unread", F.col("_first_unread").isNotNull() & (F.col("_first_unread") <= F.col("_time")))
     else:
         plan = plan_batch(job, raw, bounded=True)
         touched = plan.windowed().select(*job.keys, F.timestamp_millis("ws").alias("window_start"))
-        marked = units.join(touched.distinct().withColumn("_unread", F.lit(True)), [*job.keys, "window_start"], "left")
+        marked = join_keys(units, touched.distinct().withColumn("_unread", F.lit(True)), [*job.keys, "window_start"], "left")
     return marked.withColumn("status", F.when((F.col("status") == "unexplained") & F.coalesce(F.col("_unread"), F.lit(False)),
                                               F.lit("in_flight")).otherwise(F.col("status")))
 
@@ -242,23 +243,27 @@ def _window_units(job, bounded: DataFrame, streamed: DataFrame, late: DataFrame,
     keys = [*job.keys, "window_start"]
     values = [c for c in bounded.columns if c not in keys]
     b = bounded.select(*keys, *[F.col(c).alias(f"b_{c}") for c in values], F.lit(True).alias("_b"))
-    s = streamed.select(*keys, *[F.col(c).alias(f"s_{c}") for c in values], F.lit(True).alias("_s"))
-    # A window is identified by its keys and start (unique on both sides): explanations join back on them.
-    units = b.join(s, keys, "full_outer")
+    # A window is identified by its keys and start: a key the stream's table holds twice is a window written
+    # twice, never a match (the duplicate's values are those of one of its rows).
+    s = streamed.groupBy(*keys).agg(*[F.first(c).alias(f"s_{c}") for c in values], F.lit(True).alias("_s"),
+                                    F.count(F.lit(1)).alias("_ns"))
+    units = join_keys(b, s, keys, "full_outer")
     end = F.coalesce(F.col("b_window_end"), F.col("s_window_end"))
     floating = frozenset(f.name for f in bounded.schema.fields if isinstance(f.dataType, (T.DoubleType, T.FloatType)))
-    matched = F.coalesce(F.col("_b"), F.lit(False)) & F.coalesce(F.col("_s"), F.lit(False)) & _same(values, floating)
+    twice = F.coalesce(F.col("_ns"), F.lit(0)) > 1
+    matched = F.coalesce(F.col("_b"), F.lit(False)) & F.coalesce(F.col("_s"), F.lit(False)) & _same(values, floating) & ~twice
     hits = job.window.late_windows(units.withColumn("window_end", end), late, job.keys, job.source.event_time)
-    units = units.join(hits.withColumn("_late", F.lit(True)), keys, "left")
+    units = join_keys(units, hits.withColumn("_late", F.lit(True)), keys, "left")
     lateness = job.watermark.allowed_lateness_ms
     in_flight = F.unix_millis(end) + F.lit(lateness) > F.lit(watermark)
     return units.select(
         *keys,
         F.to_date("window_start").alias("day"),
-        F.when(matched, "match").when(F.col("_late").isNotNull(), "late").when(in_flight, "in_flight")
-        .otherwise("unexplained").alias("status"),
+        F.when(matched, "match").when(twice, "unexplained").when(F.col("_late").isNotNull(), "late")
+        .when(in_flight, "in_flight").otherwise("unexplained").alias("status"),
         F.concat_ws(" ", *[F.concat(F.lit(f"{k}="), F.col(k).cast("string")) for k in keys],
-                    F.when(F.col("_b").isNull(), F.lit("only in the stream"))
+                    F.when(twice, F.concat(F.lit("written "), F.col("_ns").cast("string"), F.lit(" times by the stream")))
+                    .when(F.col("_b").isNull(), F.lit("only in the stream"))
                     .when(F.col("_s").isNull(), F.lit("missing from the stream"))
                     .otherwise(F.lit("values differ"))).alias("what"),
     )
@@ -275,10 +280,12 @@ def _keyed_units(job: KeyedJob, bounded: DataFrame, streamed: DataFrame, late: D
     for c in columns:
         units = units.withColumn(c, F.coalesce(F.col(f"b_{c}"), F.col(f"s_{c}")))
     matched = F.coalesce(F.col("_nb"), F.lit(0)) == F.coalesce(F.col("_ns"), F.lit(0))
+    # a row the stream wrote more often than the twin computes it (at least once) was written twice: never explained
+    twice = F.coalesce(F.col("_ns"), F.lit(0)) > F.greatest(F.coalesce(F.col("_nb"), F.lit(0)), F.lit(1))
     keys = [k for k in job.keys if k in columns]
     if keys:  # a row is affected by the key's earliest late event and everything after it
         first_late = late.groupBy(*keys).agg(F.min(job.source.event_time).alias("_first_late"))
-        units = units.join(first_late, keys, "left").withColumn(
+        units = join_keys(units, first_late, keys, "left").withColumn(
             "_late", F.when(F.col("_first_late") <= F.col(job.time_column), F.lit(True)))
     else:
         units = units.withColumn("_late", F.lit(None).cast("boolean"))
@@ -287,10 +294,11 @@ def _keyed_units(job: KeyedJob, bounded: DataFrame, streamed: DataFrame, late: D
         *keys,
         F.col(job.time_column).alias("_time"),
         F.to_date(job.time_column).alias("day"),
-        F.when(matched, "match").when(F.col("_late").isNotNull(), "late").when(in_flight, "in_flight")
-        .otherwise("unexplained").alias("status"),
+        F.when(matched, "match").when(twice, "unexplained").when(F.col("_late").isNotNull(), "late")
+        .when(in_flight, "in_flight").otherwise("unexplained").alias("status"),
         F.concat_ws(" ", *[F.concat(F.lit(f"{k}="), F.col(k).cast("string")) for k in (*keys, job.time_column)],
-                    F.when(F.col("_nb").isNull(), F.lit("only in the stream"))
+                    F.when(twice, F.concat(F.lit("written "), F.col("_ns").cast("string"), F.lit(" times by the stream")))
+                    .when(F.col("_nb").isNull(), F.lit("only in the stream"))
                     .when(F.col("_ns").isNull(), F.lit("missing from the stream"))
                     .otherwise(F.lit("count differs"))).alias("what"),
     )

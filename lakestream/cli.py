@@ -164,14 +164,25 @@ def cmd_run(args) -> int:
         args.job = name
         job, settings = _job(args, settings)
         jobs.append(job)
-    spark = get_spark(settings)
-    if args.from_savepoint:
-        from streaming.checkpoint.savepoints import Savepoints
-
-        Savepoints(spark, settings).restore(jobs[0], args.from_savepoint)
+    from streaming.checkpoint.lease import Lease
     from streaming.run.faults import pauses
 
-    reports = run_streams(spark, settings, jobs, available_now=args.available_now, fault=pauses(settings))
+    # Every job's lease before Spark starts: a second runner of a job is refused at once, in one line.
+    leases = {}
+    try:
+        for job in jobs:
+            lease = Lease(settings.checkpoint_dir(job.name), settings.storage_options, job=job.name)
+            leases[job.name] = lease.acquire("restore" if args.from_savepoint else "stream")
+        spark = get_spark(settings)
+        if args.from_savepoint:  # restore and run under one lease: nothing starts the stream in between
+            from streaming.checkpoint.savepoints import Savepoints
+
+            Savepoints(spark, settings).restore(jobs[0], args.from_savepoint, lease=leases[jobs[0].name])
+        reports = run_streams(spark, settings, jobs, available_now=args.available_now, fault=pauses(settings),
+                              leases=leases)
+    finally:
+        for lease in leases.values():
+            lease.release()
     for job, report in zip(jobs, reports):
         s = report.stats
         print(
@@ -198,7 +209,12 @@ def cmd_backfill(args) -> int:
     settings = _settings(args)
     job, settings = _job(args, settings)
     start, end = _range(args)
-    report = backfill(get_spark(settings), settings, job, start, end, force=args.force)
+    from streaming.errors import OwnershipError
+
+    try:
+        report = backfill(get_spark(settings), settings, job, start, end, force=args.force)
+    except OwnershipError as exc:
+        raise OwnershipError(f"{exc} (--force)") from None
     s = report.stats
     print(
         f"{job.name}: backfill done in {report.seconds:.1f}s ({report.events_per_second:,.0f} lines/s): "
@@ -344,7 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--start", required=True, help="inclusive, e.g. 2026-11-20 or 2026-11-20T13:00Z")
     bf.add_argument("--end", required=True, help="exclusive")
     bf.add_argument("--force", action="store_true",
-                    help="also replace windows the live stream may still write (past its watermark minus lateness)")
+                    help="also replace windows the stream has written but may still correct (past its watermark minus "
+                         "lateness); windows it still holds open are left to a running stream, and written for a "
+                         "stopped one, which then upserts them when it resumes")
     bf.set_defaults(fn=cmd_backfill)
 
     rc = sub.add_parser("reconcile", help="compare what the stream wrote over [start, end) with a bounded "

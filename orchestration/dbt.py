@@ -10,6 +10,7 @@
 """
 
 
+import os
 import subprocess
 import sys
 from functools import lru_cache
@@ -35,11 +36,18 @@ def write_profiles(settings: Settings) -> Path:
         "type": "spark", "method": "session", "host": "NA", "schema": "marts", "threads": 1,
         "server_side_parameters": conf}}}}
     folder = Path(settings.home) / "dbt"
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = folder / "profiles.yml"
     text = yaml.safe_dump(profile, sort_keys=True)
-    if not path.exists() or path.read_text() != text:
-        path.write_text(text)
+    # The profile holds the whole Spark configuration, catalog credentials included: readable by its owner only.
+    if not path.exists() or path.read_text() != text or path.stat().st_mode & 0o077:
+        tmp = folder / f".profiles.yml.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.chmod(tmp, 0o600)  # (whatever the umask)
+        os.replace(tmp, path)
+    os.chmod(folder, 0o700)
     return folder
 
 

@@ -228,12 +228,20 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
         extra = {"max_files_per_trigger": config.max_files_per_trigger} if config.max_files_per_trigger else {}
         settings = settings.with_job(name, trigger_interval=interval, **extra)
     spark = lakestream.spark(pyspark)
-    if from_savepoints:
-        from streaming.checkpoint.savepoints import Savepoints
+    leases = {}  # a restore and the stream after it hold one lease: nothing starts the stream in between
+    try:
+        if from_savepoints:
+            from streaming.checkpoint.savepoints import Savepoints
 
-        for job in declared:
-            if from_savepoints.get(job.name):
-                Savepoints(spark, settings, progress=context.log.info).restore(job, from_savepoints[job.name])
+            savepoints = Savepoints(spark, settings, progress=context.log.info)
+            for job in declared:
+                if from_savepoints.get(job.name):
+                    leases[job.name] = savepoints.lease(job).acquire("restore")
+                    savepoints.restore(job, from_savepoints[job.name], lease=leases[job.name])
+    except BaseException:
+        for lease in leases.values():
+            lease.release()
+        raise
     continuous = config.mode == Mode.continuous
     application = names if len(names) > 1 else None
     if continuous:
@@ -271,7 +279,8 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
         reports = run_streams(spark, settings, declared, available_now=not continuous,
                               progress=lambda result: reporters[result.job].on_batch(result),
                               stop_event=stop, install_signal_handlers=True,
-                              tick=lambda query: reporters[query.name].tick(query), stop_together=True)
+                              tick=lambda query: reporters[query.name].tick(query), stop_together=True,
+                              leases=leases)
     except BaseException:
         if _terminating(context):  # interrupted before the stop request could be taken
             stopped_on_request()

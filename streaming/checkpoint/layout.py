@@ -15,6 +15,7 @@ lakestream's part (``lakestream/``)::
     running                 the process running the stream (pid, host, query id, start)
     stop-request            asks that process to stop after its current batch (stop-with-savepoint)
     epoch                   a restore epoch, so commits re-run after a savepoint restore get new ids
+    forced.json             ranges a forced backfill wrote while the stream was stopped: the stream upserts there
 
 Every reader goes through a ``Files`` object (``hadoopfs.HadoopFS`` from Spark, ``checkpoint.Tree`` without
 a JVM): both offer ``read_text``, ``names`` and ``exists`` on paths relative to nothing (full paths here).
@@ -107,6 +108,11 @@ class Layout:
     @property
     def epoch(self) -> str:
         return f"{self.engine}/epoch"
+
+    @property
+    def forced(self) -> str:
+        """Ranges of window starts a forced backfill wrote while the stream was stopped (see ``records``)."""
+        return f"{self.engine}/forced.json"
 
     def legacy(self) -> list[str]:
         """Folders of engine-state formats before the incremental store (refused, see ``records``)."""
@@ -212,3 +218,10 @@ def committed_offsets(files: Files, layout: Layout) -> list | None:
         return None
     path = layout.offset(committed)
     return offset_sources(files.read_text(path), path)
+
+
+def commit_app_id(files: Files, layout: Layout) -> str:
+    """The app id the stream of a checkpoint commits with: its query id, and its restore epoch if any."""
+    qid = query_id(files.read_text(layout.metadata))
+    epoch = files.read_text(layout.epoch).strip() if files.exists(layout.epoch) else ""
+    return f"{qid}:{epoch}" if epoch else qid

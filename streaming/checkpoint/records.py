@@ -159,6 +159,23 @@ class EngineState:
         self._fs.write_text(self.layout.record(record.batch_id), record.to_json())
         self._fs.delete(self.layout.record(record.batch_id - KEEP_BATCHES))
 
+    def forced_ranges(self) -> list[tuple[int, int]]:
+        """Ranges ``[lo, hi)`` of window starts that a forced backfill wrote while the stream was stopped: the
+        stream writes the windows there as upserts (they may be in the table already), not appends."""
+        if not self._fs.exists(self.layout.forced):
+            return []
+        try:
+            return [(int(lo), int(hi)) for lo, hi in json.loads(self._fs.read_text(self.layout.forced))]
+        except (ValueError, TypeError):
+            raise CheckpointCorruptError(f"{self.layout.forced} is unreadable; delete it only if no backfill was "
+                                         "forced over this stream's open windows") from None
+
+    def save_forced_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        if ranges:
+            self._fs.write_text(self.layout.forced, json.dumps(sorted(ranges)))
+        else:
+            self._fs.delete(self.layout.forced)
+
     def delete_files(self, paths) -> None:
         for path in paths:
             self._fs.delete(path)

@@ -14,7 +14,8 @@ def _process(report: CheckpointReport) -> str:
     r = report.running
     if r is None:
         return "none running"
-    return f"pid {r.get('pid')} on {r.get('host')}, started {age(report.inspected_at_ms, r.get('started_ms'))}"
+    what = "" if r.get("purpose", "stream") == "stream" else f"{r.get('purpose')} "
+    return f"{what}pid {r.get('pid')} on {r.get('host')}, started {age(report.inspected_at_ms, r.get('started_ms'))}"
 
 
 def state_of(report: CheckpointReport) -> str:

@@ -3,15 +3,21 @@
 ``savepoints/<job>/<id>/`` holds ``checkpoint/`` (a copy of the Spark checkpoint with the engine
 state) and ``manifest.json``: job, code version, batch id, source position, the version of every
 sink table (Iceberg snapshot id, Delta version), state shape and fingerprint, key columns, shuffle
-partitions, Spark version, time.
+partitions, Spark version, time, and a sequence number (newer savepoints have higher ones).
 
-* **create** is stop-with-savepoint: a running stream is asked to stop after its current batch
-  (``StreamControl``), the checkpoint is copied while nothing writes to it, and the table versions
-  recorded are exactly those the copied checkpoint has committed.
-* **restore** (``lakestream run JOB --from-savepoint ID``) checks compatibility first, puts the
-  copy back as the job's checkpoint and rolls every sink table back to its recorded version
-  (Iceberg: set the current snapshot; Delta: restore the version), so
-  the stream continues exactly-once from the savepoint even if the job ran on after it.
+* **create** is stop-with-savepoint: a running stream is asked to stop after its current batch, then the
+  savepoint takes the job's lease (``lease``: nothing else writes the checkpoint or starts the stream
+  meanwhile) and copies the checkpoint. A savepoint is the state *as of the last batch Spark committed*,
+  whatever the stream was doing: if it died inside a batch, after some of that batch's table commits, the
+  versions recorded are those before its first commit of that batch, not the tables' current ones.
+* **restore** (``lakestream run JOB --from-savepoint ID``) checks compatibility first, then, holding the
+  lease: records that a restore is under way, puts the copy back as the job's checkpoint (with a new
+  commit-id epoch), rolls the tables the job owns (its main table and late side output) back to their
+  recorded versions (Iceberg: set the current snapshot; Delta: restore the version), and deletes from the
+  tables it shares with other jobs (``lake.quarantine.<source>``) only the rows this job's stream wrote
+  after the savepoint's batch; the other jobs' rows stay. The stream then continues exactly-once from the
+  savepoint even if the job ran on after it. A restore that is interrupted is finished by the next process
+  that takes the lease (a stream's start, or the restore run again).
 """
 
 from __future__ import annotations
@@ -31,12 +37,12 @@ from ..errors import SavepointError
 from ..io.sources import kind_of
 from ..spark.hadoopfs import HadoopFS
 from ..spark.jvm import hadoop_copy
-from .layout import Layout, numbered, offset_sources
-from .lease import StreamControl
+from .layout import Layout, commit_app_id, numbered, offset_sources, query_id
+from .lease import Lease
 from ..settings import Settings
 from ..io.sinks import sink_for
 from .records import EngineState
-from ..io.tables import all_tables
+from ..io.tables import table_roles
 
 MANIFEST = "manifest.json"
 _ID = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)-(\d{8}T\d{6}\d{3}Z)-b(-?\d+)$")
@@ -76,22 +82,30 @@ def code_version() -> str | None:
 
 
 class Savepoints:
-    def __init__(self, spark, settings: Settings, progress: Callable[[str], None] | None = print):
+    def __init__(self, spark, settings: Settings, progress: Callable[[str], None] | None = print,
+                 fault: Callable[[str, int], None] | None = None):
+        """``fault``: a test's fault function (``run/faults.py``), called at ``restore:tables`` (the tables are
+        rolled back, the checkpoint not swapped yet)."""
         self.spark = spark
         self.settings = settings
         self.fs = HadoopFS(spark)
         self.say = progress or (lambda _msg: None)
+        self.fault = fault or (lambda point, batch_id: None)
 
     def folder(self, job: str) -> str:
         return f"{self.settings.savepoints.rstrip('/')}/{job}"
 
+    def lease(self, job: Job) -> Lease:
+        return Lease(self.settings.checkpoint_dir(job.name), self.settings.storage_options, job=job.name)
+
     # -- listing -------------------------------------------------------------------------
     def list(self, job: str) -> list[Savepoint]:
+        """The job's savepoints, oldest first (by sequence: a clock that steps back does not reorder them)."""
         found = []
         for name in sorted(self.fs.list_names(self.folder(job))):
             if _ID.match(name) and self.fs.exists(f"{self.folder(job)}/{name}/{MANIFEST}"):
                 found.append(self.get(name))
-        return sorted(found, key=lambda s: s.manifest.get("created_ms", 0))
+        return sorted(found, key=_order)
 
     def get(self, savepoint_id: str) -> Savepoint:
         job = job_of(savepoint_id)
@@ -124,46 +138,50 @@ class Savepoints:
         layout = Layout(checkpoint)
         if not self.fs.exists(layout.metadata):
             raise SavepointError(f"{job.name} has no checkpoint at {checkpoint} yet; run it before taking a savepoint")
-        self._stop_running(job, checkpoint, timeout_s)
-        # The savepoint's batch is the last one Spark recorded as committed; a batch planned after
-        # it (interrupted by the stop) is replayed after a restore, exactly-once like any other.
-        committed = numbered(self.fs.list_names(layout.commits))
-        batch_id = committed[-1] if committed else -1
-        record = EngineState(self.spark, checkpoint).latest_record_before(batch_id + 1)
-        now = datetime.now(timezone.utc)
-        savepoint_id = f"{job.name}-{now.strftime('%Y%m%dT%H%M%S')}{now.microsecond // 1000:03d}Z-b{batch_id}"
-        path = f"{self.folder(job.name)}/{savepoint_id}"
-        self.say(f"copying {checkpoint} -> {path}/checkpoint")
-        self._copy(checkpoint, f"{path}/checkpoint")
-        copy = Layout(f"{path}/checkpoint")
-        for transient in (copy.running, copy.stop_request):
-            self.fs.delete(transient)
-        manifest = self._manifest(job, savepoint_id, checkpoint, record, batch_id, now)
-        self.fs.write_text(f"{path}/{MANIFEST}", json.dumps(manifest, indent=1))
+        lease = self.lease(job)
+        self._stop_holder(job, lease, timeout_s)
+        lease.acquire("savepoint")
+        try:
+            # The savepoint's batch is the last one Spark recorded as committed; a batch planned after it
+            # (interrupted by the stop, or by a crash) is replayed after a restore, exactly-once like any other.
+            committed = numbered(self.fs.list_names(layout.commits))
+            batch_id = committed[-1] if committed else -1
+            record = EngineState(self.spark, checkpoint).latest_record_before(batch_id + 1)
+            previous = self.list(job.name)
+            now = datetime.now(timezone.utc)
+            savepoint_id = f"{job.name}-{now.strftime('%Y%m%dT%H%M%S')}{now.microsecond // 1000:03d}Z-b{batch_id}"
+            path = f"{self.folder(job.name)}/{savepoint_id}"
+            self.say(f"copying {checkpoint} -> {path}/checkpoint")
+            self._copy(checkpoint, f"{path}/checkpoint")
+            copy = Layout(f"{path}/checkpoint")
+            for transient in (copy.running, copy.stop_request):
+                self.fs.delete(transient)
+            manifest = self._manifest(job, savepoint_id, checkpoint, record, batch_id, now,
+                                      sequence=1 + max((_order(s)[0] for s in previous), default=0))
+            self.fs.write_text(f"{path}/{MANIFEST}", json.dumps(manifest, indent=1))
+        finally:
+            lease.release()
         savepoint = Savepoint(savepoint_id, job.name, path, manifest)
         if keep:
             for gone in self.prune(job.name, keep):
                 self.say(f"retention (keep {keep}): deleted savepoint {gone}")
         return savepoint
 
-    def _stop_running(self, job: Job, checkpoint: str, timeout_s: float) -> None:
-        control = StreamControl(self.spark, checkpoint)
-        running = control.running()
-        if running is None:
+    def _stop_holder(self, job: Job, lease: Lease, timeout_s: float) -> None:
+        """Ask whoever holds the job's lease to stop after its batch, and wait until it has given the lease back
+        (or died: a holder on another host counts as dead once it has not renewed for the lease's ttl)."""
+        holder = lease.holder()
+        if holder is None:
             return
-        self.say(
-            f"{job.name} is running (pid {running.get('pid')} on {running.get('host')}): "
-            "asking it to stop after its current batch"
-        )
-        control.request_stop()
+        self.say(f"{job.name} is held ({holder.describe()}): asking it to stop after its current batch")
+        lease.request_stop(holder)
         deadline = time.monotonic() + timeout_s
         next_note = time.monotonic() + 10
-        while control.running() is not None:
+        while (current := lease.holder()) is not None and current.generation == holder.generation:
             if time.monotonic() > deadline:
                 raise SavepointError(
-                    f"{job.name} did not stop within {timeout_s:.0f}s; its batch may be long. Retry with a larger "
-                    f"--timeout, or if the job is gone delete {control.running_path}"
-                )
+                    f"{job.name} did not stop within {timeout_s:.0f}s ({current.describe()}); its batch may be long: "
+                    "retry with a larger --timeout")
             if time.monotonic() > next_note:
                 self.say(f"  still waiting for {job.name} to finish its batch...")
                 next_note += 10
@@ -177,24 +195,33 @@ class Savepoints:
         if not hadoop_copy(self.spark, source, target):
             raise SavepointError(f"could not copy {source} to {target}")
 
-    def _manifest(self, job: Job, savepoint_id: str, checkpoint: str, record, batch_id: int, now: datetime) -> dict:
+    def _manifest(self, job: Job, savepoint_id: str, checkpoint: str, record, batch_id: int, now: datetime, *,
+                  sequence: int) -> dict:
         layout = Layout(checkpoint)
         offsets = numbered(self.fs.list_names(layout.offsets))
-        source_offset = None
-        if offsets:
-            source_offset = offset_sources(self.fs.read_text(layout.offset(offsets[-1])), layout.offset(offsets[-1]))
+        committed = layout.offset(batch_id) if batch_id >= 0 else None
+        source_offset = offset_sources(self.fs.read_text(committed), committed) if committed else None
+        app = commit_app_id(self.fs, layout)
+        tables = {}
+        for table, role, _ in table_roles(job):
+            sink = sink_for(self.spark, self.settings, table, job.name)
+            # The job's own tables as of the savepoint's batch (a batch after it may have committed some of its
+            # tables before a crash); a shared table is not rolled back (see restore), its version is a note.
+            tables[table.name] = sink.version_before(app, batch_id) if role != "quarantine" else sink.version()
         return {
             "id": savepoint_id,
             "job": job.name,
+            "sequence": sequence,
             "created": now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "created_ms": int(now.timestamp() * 1000),
             "code_version": code_version(),
             "batch_id": batch_id if batch_id >= 0 else None,
+            "query_id": app.split(":", 1)[0],
             "watermark_ms": record.watermark_ms if record else None,
             "source": {"landing": [kind_of(s).location(self.settings, s) for s in job.sources], "offsets": source_offset,
                        "last_planned_batch": offsets[-1] if offsets else None},
             "format": self.settings.format_of(job.name),
-            "tables": {t.name: sink_for(self.spark, self.settings, t, job.name).version() for t in all_tables(job)},
+            "tables": tables,
             "state": {"fingerprint": job.fingerprint(), "shape": job.shape()},
             "keys": list(job.keys),
             "shuffle_partitions": stored_shuffle_partitions(self.fs, checkpoint),
@@ -202,37 +229,52 @@ class Savepoints:
         }
 
     # -- restore -------------------------------------------------------------------------
-    def restore(self, job: Job, savepoint_id: str) -> Savepoint:
-        """Make the job's checkpoint and tables what they were at the savepoint (the stream must be stopped).
+    def restore(self, job: Job, savepoint_id: str, lease: Lease | None = None) -> Savepoint:
+        """Make the job's checkpoint and tables what they were at the savepoint (see the module).
 
-        Every check that can refuse the restore runs before anything is changed, so a refused restore
-        leaves checkpoint and tables exactly as they were. Then the tables are rolled back (each
-        rollback is atomic and idempotent) and the savepoint's checkpoint, copied beside the job's,
-        replaces it. An interrupted restore is finished by running it again.
-        """
-        savepoint, checkpoint, rollbacks = self._restore_plan(job, savepoint_id)
-        # 1. the copy, beside the checkpoint (nothing of the job changes yet)
-        staged = f"{checkpoint}.restoring"
-        self.fs.delete(staged)
-        self.say(f"restoring checkpoint {checkpoint} from {savepoint.checkpoint}")
-        self._copy(savepoint.checkpoint, staged)
-        # A new commit-id epoch: batches re-run from here must not match the commits rolled back below.
-        restored_at = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-        self.fs.write_text(Layout(staged).epoch, f"restored-{savepoint_id}-{restored_at}")
-        # 2. the tables
-        for sink, version in rollbacks:
-            if version is None:
-                self.say(f"  {sink.table.name}: empty at the savepoint -> deleting all rows")
-            elif sink.version() != version:
-                self.say(f"  {sink.table.name}: rolling back to version {version}")
-            sink.rollback(version)
-        # 3. the checkpoint
-        self.fs.delete(checkpoint)
-        self.fs.rename(staged, checkpoint)
+        ``lease``: the job's lease, already held by the caller (a stream that restores before it starts);
+        else the restore takes it, and refuses in one line while a stream or another restore holds it. Every
+        check that can refuse the restore runs before anything is changed, so a refused restore leaves
+        checkpoint and tables exactly as they were."""
+        own = lease is None
+        lease = lease or self.lease(job).acquire("restore")
+        try:
+            savepoint, checkpoint, rollbacks, shared = self._restore_plan(job, savepoint_id)
+            lease.begin_restore(savepoint_id)  # (an interruption from here on is finished by the next taker)
+            # 1. the copy, beside the checkpoint (nothing of the job changes yet)
+            staged = f"{checkpoint}.restoring"
+            self.fs.delete(staged)
+            self.say(f"restoring checkpoint {checkpoint} from {savepoint.checkpoint}")
+            self._copy(savepoint.checkpoint, staged)
+            # A new commit-id epoch: batches re-run from here must not match the commits rolled back below.
+            restored_at = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+            self.fs.write_text(Layout(staged).epoch, f"restored-{savepoint_id}-{restored_at}")
+            # 2. the tables: the job's own ones back to their versions; from the shared ones, this job's rows
+            #    written after the savepoint's batch (every commit of the stream carries its batch)
+            for sink, version in rollbacks:
+                if version is None:
+                    self.say(f"  {sink.table.name}: empty at the savepoint -> deleting all rows")
+                elif sink.version() != version:
+                    self.say(f"  {sink.table.name}: rolling back to version {version}")
+                sink.rollback(version)
+            batch_id = savepoint.manifest.get("batch_id")
+            query = savepoint.manifest.get("query_id") or _query_of(self.fs, savepoint.checkpoint)
+            for sink in shared:
+                self.say(f"  {sink.table.name} (shared): deleting {job.name}'s rows written after batch {batch_id}")
+                sink.delete_where(f"detected_by = '{job.name}' AND written_by LIKE '{query}%' AND batch_id > "
+                                  f"{-1 if batch_id is None else int(batch_id)}")
+            self.fault("restore:tables", int(batch_id if batch_id is not None else -1))
+            # 3. the checkpoint
+            self.fs.delete(checkpoint)
+            self.fs.rename(staged, checkpoint)
+            lease.end_restore()
+        finally:
+            if own:
+                lease.release()
         return savepoint
 
     def _restore_plan(self, job: Job, savepoint_id: str):
-        """(savepoint, checkpoint, [(sink, version)]), or the reason the restore is refused."""
+        """(savepoint, checkpoint, [(own sink, version)], [shared sink]), or the reason the restore is refused."""
         savepoint = self.get(savepoint_id)
         if savepoint.job != job.name:
             raise SavepointError(f"savepoint {savepoint_id} belongs to job {savepoint.job}, not {job.name}")
@@ -248,18 +290,17 @@ class Savepoints:
                 f"savepoint {savepoint_id} recorded {fmt} tables but {job.name} is configured for "
                 f"{self.settings.format_of(job.name)}; set the job's format back to {fmt} to restore it"
             )
-        running = StreamControl(self.spark, checkpoint).running()
-        if running is not None:
-            raise SavepointError(
-                f"{job.name} is running (pid {running.get('pid')} on {running.get('host')}); stop it first, e.g. "
-                f"`lakestream savepoint create {job.name}`"
-            )
         if not self.fs.exists(Layout(savepoint.checkpoint).metadata):
             raise SavepointError(f"savepoint {savepoint_id} has no checkpoint copy at {savepoint.checkpoint} "
                                  "(incomplete or damaged); choose another one (`lakestream savepoint list`)")
-        rollbacks = []
+        roles = {t.name: role for t, role, _ in table_roles(job)}
+        rollbacks, shared = [], []
         for name, version in manifest.get("tables", {}).items():
             sink = sink_for(self.spark, self.settings, Table(name), job.name)
+            if roles.get(name, "quarantine") == "quarantine":
+                if sink.exists():
+                    shared.append(sink)
+                continue
             if not sink.exists():
                 if version is not None:
                     raise SavepointError(
@@ -273,4 +314,13 @@ class Savepoints:
                     "were expired or vacuumed); choose a newer savepoint, and keep snapshots newer than the oldest one"
                 )
             rollbacks.append((sink, version))
-        return savepoint, checkpoint, rollbacks
+        return savepoint, checkpoint, rollbacks, shared
+
+
+def _order(savepoint: Savepoint) -> tuple[int, int]:
+    """Savepoints by sequence (then creation time, for those made before sequences were recorded)."""
+    return int(savepoint.manifest.get("sequence") or 0), int(savepoint.manifest.get("created_ms") or 0)
+
+
+def _query_of(fs, checkpoint: str) -> str:
+    return query_id(fs.read_text(Layout(checkpoint).metadata))

@@ -1,5 +1,6 @@
-"""Read-only access to a folder on any file system fsspec knows, without a JVM: what checkpoint
-inspection, the health sensor and the landing observation read (fast enough for a sensor every 30 s)."""
+"""Access to a folder on any file system fsspec knows, without a JVM: what checkpoint inspection, the health
+sensor and the landing observation read (fast enough for a sensor every 30 s), and the few small files the
+checkpoint's lease writes (an exclusive create is atomic on local disks and, through s3fs, on S3)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 
 class Tree:
-    """Read-only access to a folder on any file system fsspec knows, without a JVM: local paths and
+    """Access to a folder on any file system fsspec knows, without a JVM: local paths and
     ``file:`` URIs, ``s3a://`` / ``s3://`` (with s3fs), ``abfss://`` (adlfs), ``gs://`` (gcsfs),
     ``hdfs://`` (pyarrow), ``memory://`` (tests). Paths below the root are joined with ``/``."""
 
@@ -56,6 +57,46 @@ class Tree:
 
     def read_text(self, *parts: str) -> str:
         return self.fs.cat_file(self.path(*parts)).decode("utf-8")
+
+    def create(self, rel: str, data: bytes) -> bool:
+        """Write a new file, atomically and only if none of that name exists; False when one does."""
+        path = self.path(rel)
+        if self.local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{os.getpid()}"
+            with open(tmp, "wb") as out:
+                out.write(data)
+            try:  # a hard link fails if the name exists: the file appears whole, or not at all
+                os.link(tmp, path)
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                os.remove(tmp)
+        try:
+            with self.fs.open(path, "xb") as out:
+                out.write(data)
+            return True
+        except FileExistsError:
+            return False
+
+    def write(self, rel: str, data: bytes) -> None:
+        """Write a file whole, replacing what was there."""
+        path = self.path(rel)
+        if self.local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = path + ".tmp-" + str(os.getpid())
+            with open(tmp, "wb") as out:
+                out.write(data)
+            os.replace(tmp, path)
+            return
+        self.fs.pipe_file(path, data)
+
+    def delete(self, rel: str) -> None:
+        try:
+            self.fs.rm_file(self.path(rel))
+        except FileNotFoundError:
+            pass
 
     def mtime_ms(self, *parts: str) -> int | None:
         return _mtime_ms(self.fs.info(self.path(*parts)))

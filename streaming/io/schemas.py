@@ -19,6 +19,8 @@ QUARANTINE_SCHEMA = T.StructType([
     T.StructField("reason", T.StringType()),
     T.StructField("occurrences", T.LongType()),
     T.StructField("detected_by", T.StringType()),
+    T.StructField("written_by", T.StringType()),  # the commit that wrote the row: <query id>[:<epoch>]:<batch>, or a backfill
+    T.StructField("batch_id", T.LongType()),  # the stream's batch (NULL: written by a backfill)
 ])
 
 

@@ -82,7 +82,7 @@ def job_sinks(spark, settings: Settings, job: Job, *, create: bool = True) -> Jo
         sink = sink_for(spark, settings, spec.table, job.name)
         sink.ensure(spec.schema, spec.partition_column, spec.comment, upserts=spec.role == "main" and job.upserts)
         schemas[spec.role] = spec.schema
-    for table, role, source in _roles(job):
+    for table, role, source in table_roles(job):
         sink = sink_for(spark, settings, table, job.name)
         if role == "quarantine":
             quarantine[source] = sink
@@ -91,7 +91,7 @@ def job_sinks(spark, settings: Settings, job: Job, *, create: bool = True) -> Jo
     return JobSinks(main=made["main"], late=made["late"], quarantine=quarantine, schemas=schemas or None)
 
 
-def _roles(job: Job) -> list[tuple[Table, str, str | None]]:
+def table_roles(job: Job) -> list[tuple[Table, str, str | None]]:
     return [(job.sink, "main", None), (job.late_sink, "late", None)] + [
         (s.quarantine, "quarantine", s.name) for s in job.sources
     ]
@@ -108,7 +108,7 @@ _SPEC_CACHE: dict[tuple, list[TableSpec]] = {}
 
 
 def all_tables(job: Job) -> list[Table]:
-    return [t for t, _, _ in _roles(job)]
+    return [t for t, _, _ in table_roles(job)]
 
 
 def quarantine_tables(sources: tuple[Source, ...]) -> list[Table]:

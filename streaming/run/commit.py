@@ -25,7 +25,7 @@ from typing import Callable
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from ..checkpoint.layout import Layout, query_id
+from ..checkpoint.layout import Layout, commit_app_id
 from ..checkpoint.records import BatchRecord, BatchStats, EngineState, Records
 from ..declaration import Job, KeyedJob
 from ..errors import CheckpointCorruptError
@@ -102,13 +102,14 @@ def count_span(frame: DataFrame, column: str, *extra) -> dict:
 
 class Handler:
     def __init__(self, job: Job, checkpoint: str, sinks: JobSinks, progress: ProgressFn | None, report: StreamReport,
-                 fault: FaultFn | None = None):
+                 fault: FaultFn | None = None, lease=None):
         self.job = job
         self.layout = Layout(checkpoint)
         self.sinks = sinks
         self.progress = progress
         self.report = report
         self._fault = fault or (lambda point, batch_id: None)
+        self.lease = lease  # the job's lease: checked before every commit (a runner that lost it must not commit)
         self._started = False
         self._prefix = ""
         self._replay: int | None = None
@@ -119,16 +120,12 @@ class Handler:
         """Once per run: the query id, the restore epoch, and which batch Spark may be replaying."""
         if self._started:
             return
-        fs = HadoopFS(spark)
-        try:
-            qid = query_id(fs.read_text(self.layout.metadata))
+        try:  # (after a restore, an epoch: batches re-run from the savepoint must not match rolled-back commits)
+            self._prefix = commit_app_id(HadoopFS(spark), self.layout)
         except ValueError:
             raise CheckpointCorruptError(
                 f"{self.layout.metadata} is unreadable; delete the checkpoint folder to start over"
             ) from None
-        epoch = fs.read_text(self.layout.epoch).strip() if fs.exists(self.layout.epoch) else ""
-        # After a restore, batches re-run from the savepoint must not match commits the restore rolled back.
-        self._prefix = f"{qid}:{epoch}" if epoch else qid
         self.state = EngineState(spark, self.layout.root)
         self.records = Records(self.state)
         self._replay = self.state.replay_candidate()
@@ -150,6 +147,8 @@ class Handler:
         """Commit every output with rows, concurrently (one Spark job and one table commit each)."""
         replay = batch_id == self._replay
         todo = [o for o in outputs if o.rows]
+        if self.lease is not None and todo:
+            self.lease.check()
 
         def one(o: Output) -> None:
             if o.upsert_keys:

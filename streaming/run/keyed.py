@@ -48,13 +48,14 @@ class KeyedHandler(Handler):
             watermark_in = watermark_of(previous) if c.watermark_ms is None else c.watermark_ms
             watermark_out = advance(watermark_in, c.max_event_time_ms, job.watermark.out_of_orderness_ms)
             # (a table without rows gets no commit: its frame is not even built)
-            outputs = [Output(self.sinks.quarantine[s], output.quarantine(s) if n else None, n)
+            commit = self.commit(batch_id, watermark_out)
+            outputs = [Output(self.sinks.quarantine[s], output.quarantine(s, commit.id, batch_id) if n else None, n)
                        for s, n in c.quarantined.items()]
             outputs.append(Output(self.sinks.late, output.late(watermark_in) if c.late else None, c.late, 0,
                                   *c.late_range_ms))
             outputs.append(Output(self.sinks.main, output.main() if c.outputs else None, c.outputs, 0,
                                   *c.outputs_range_ms))
-            tables = self.write(outputs, self.commit(batch_id, watermark_out), batch_id)
+            tables = self.write(outputs, commit, batch_id)
             t = timed("commits", t)
             stats = BatchStats(
                 lines=c.inputs + c.bad, quarantined=c.bad, events=c.inputs - c.duplicates, duplicates=c.duplicates,

@@ -16,7 +16,7 @@ from typing import Callable
 
 from pyspark.sql import DataFrame
 
-from ..checkpoint.lease import StreamControl
+from ..checkpoint.lease import Lease
 from ..declaration import Job, KeyedJob
 from ..time import describe_watermark, format_duration
 from ..io.sources import kind_of, stream_all
@@ -48,7 +48,7 @@ def raw_stream(spark, settings: Settings, job: Job) -> DataFrame:
 
 
 def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, progress: ProgressFn | None = None,
-                 fault: FaultFn | None = None):
+                 fault: FaultFn | None = None, lease: Lease | None = None):
     """Start the job's streaming query; returns ``(query, report)``."""
     checkpoint = settings.checkpoint_dir(job.name)
     fs = HadoopFS(spark)
@@ -70,13 +70,13 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
         buckets = key_buckets(record.key_buckets if record else None, record is not None, partitions)
         labels = bucket_labels(spark, record, buckets, partitions)
         stream = stream_frame(job, parse_sources(job, raw), buckets, labels)
-        handler = KeyedHandler(job, checkpoint, sinks, progress, report, fault, main_schema=sinks.schemas["main"],
+        handler = KeyedHandler(job, checkpoint, sinks, progress, report, fault, lease, main_schema=sinks.schemas["main"],
                                key_buckets=buckets, bucket_labels=labels)
     else:
         from ..io.tables import store_schemas
 
         stream = raw
-        handler = WindowedHandler(job, checkpoint, sinks, progress, report, fault,
+        handler = WindowedHandler(job, checkpoint, sinks, progress, report, fault, lease,
                                   store_schemas=store_schemas(spark, job))
     writer = stream.writeStream.queryName(job.name).option("checkpointLocation", checkpoint).foreachBatch(handler)
     interval = settings.job(job.name).trigger_interval
@@ -168,8 +168,21 @@ def run_stream(spark, settings: Settings, job: Job, *, available_now: bool,
 
 
 class _Running:
-    def __init__(self, job: Job, query, report: StreamReport, control: StreamControl):
-        self.job, self.query, self.report, self.control = job, query, report, control
+    def __init__(self, job: Job, query, report: StreamReport, lease: Lease):
+        self.job, self.query, self.report, self.lease = job, query, report, lease
+
+
+def take_lease(spark, settings: Settings, job: Job, lease: Lease | None = None) -> Lease:
+    """The job's lease for its stream (``lease``: already taken, e.g. by a restore before the start). A restore
+    that began and did not finish is finished first (see ``checkpoint.savepoints``)."""
+    lease = lease or Lease(settings.checkpoint_dir(job.name), settings.storage_options, job=job.name).acquire("stream")
+    pending = lease.pending_restore()
+    if pending:
+        from ..checkpoint.savepoints import Savepoints
+
+        print(f"{job.name}: finishing the interrupted restore of savepoint {pending}", flush=True)
+        Savepoints(spark, settings).restore(job, pending, lease=lease)
+    return lease
 
 
 def run_streams(
@@ -184,6 +197,7 @@ def run_streams(
     fault: FaultFn | None = None,
     tick: Callable[[object], None] | None = None,
     stop_together: bool = False,
+    leases: dict[str, Lease] | None = None,
 ) -> list[StreamReport]:
     """Run jobs as streaming queries of one Spark application, until the input is consumed
     (available-now) or until stopped (SIGINT/SIGTERM/``stop_event``: every query stops after its
@@ -194,12 +208,16 @@ def run_streams(
     ``progress`` is called after each committed batch, on Spark's batch thread; ``tick(query)`` is
     called about twice a second per query (and once at the end) on the calling thread, e.g. to
     publish progress from there.
+
+    Each job's stream holds the job's lease (``checkpoint.lease``) while it runs: a second runner of a job is
+    refused in one line naming the holder. ``leases``: leases already taken (by name), e.g. by a restore.
     """
     names = [job.name for job in jobs]
     if len(set(names)) != len(names):
         raise ConfigError(f"a job can run only once per application; got {', '.join(names)}")
     stop = stop_event or threading.Event()
     started: list[_Running] = []
+    held: list[Lease] = []
     reports: list[StreamReport] = []
     received: list[str] = []  # the signals that asked to stop
     previous = {}
@@ -207,13 +225,14 @@ def run_streams(
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, functools.partial(_stop_on_signal, received, stop))
     try:
-        for job in jobs:
+        for job in jobs:  # every lease first: a refusal changes nothing
+            held.append(take_lease(spark, settings, job, (leases or {}).get(job.name)))
+        for job, lease in zip(jobs, held):
+            lease.keep_alive()
             query, report = start_stream(spark, settings, job, available_now=available_now, progress=progress,
-                                         fault=fault)
-            control = StreamControl(spark, settings.checkpoint_dir(job.name))
-            started.append(_Running(job, query, report, control))
+                                         fault=fault, lease=lease)
+            started.append(_Running(job, query, report, lease))
             reports.append(report)
-            control.mark_running(report.query_id)
             if not available_now and progress is not None:
                 folders = ", ".join(kind_of(s).location(settings, s) for s in job.sources)
                 print(
@@ -226,20 +245,20 @@ def run_streams(
         began = time.monotonic()
         while running:
             polls += 1
-            if stop_together and polls % 4 == 0 and any(r.control.stop_requested() for r in running):
+            if stop_together and polls % 4 == 0 and any(r.lease.stop_requested() for r in running):
                 stop.set()
             for r in list(running):
                 if not r.query.isActive:
                     running.remove(r)
                     if r.query.exception() is not None:
                         raise r.query.exception()
-                    r.control.clear()
-                elif stop.is_set() or (polls % 4 == 0 and r.control.stop_requested()) or (
+                    r.lease.release()
+                elif stop.is_set() or (polls % 4 == 0 and r.lease.stop_requested()) or (
                         available_now and (_polls(r.job) or _paced_tables(settings, r.job))
                         and _drained(r.query, time.monotonic() - began, timers=_polls(r.job))):
                     stop_gracefully(r.query, r.report)
                     running.remove(r)
-                    r.control.clear()  # a savepoint waiting for this job may go on
+                    r.lease.release()  # a savepoint waiting for this job may go on
             if running:
                 running[0].query.awaitTermination(0.5)
                 if tick is not None:
@@ -254,8 +273,9 @@ def run_streams(
                 stop_gracefully(r.query, r.report)
         raise
     finally:
+        for lease in held:
+            lease.release()
         for r in started:
-            r.control.clear()
             r.report.signal = received[0] if received else None
         for sig, handler in previous.items():
             signal.signal(sig, handler)

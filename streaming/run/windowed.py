@@ -28,6 +28,14 @@ class WindowedHandler(Handler):
     def __init__(self, *args, store_schemas: dict, **kwargs):
         super().__init__(*args, **kwargs)
         self.store_schemas = store_schemas
+        self._forced_ranges: list[tuple[int, int]] | None = None
+
+    def _forced(self, spark) -> list[tuple[int, int]]:
+        """The checkpoint's forced ranges, read once per run (a forced backfill writes them only while no stream
+        holds the job's lease)."""
+        if self._forced_ranges is None:
+            self._forced_ranges = self.state.forced_ranges()
+        return self._forced_ranges
 
     def __call__(self, raw: DataFrame, batch_id: int) -> None:
         spark = raw.sparkSession
@@ -47,6 +55,11 @@ class WindowedHandler(Handler):
         job = self.job
         previous = self.previous(batch_id)
         w_in = watermark_of(previous)
+        # Windows a forced backfill wrote while the stream was stopped may be in the table already: while one of
+        # them can still fire, the batch writes its windows as upserts (see ``batch.backfill``).
+        open_starts = [f.lo for f in previous.store.of_kind("pieces")] if previous is not None else []
+        horizon = job.window.final_horizon_ms(w_in, job.watermark.allowed_lateness_ms, open_starts)
+        forced = [r for r in self._forced(spark) if r[1] > horizon]
         store = Store(spark, self.layout, previous.store if previous is not None else None, self.store_schemas)
         batch = plan_batch(job, raw, watermark_in_ms=w_in, store=store, batch_id=batch_id,
                            lines_before=previous.stats.lines if previous is not None else None)
@@ -77,7 +90,8 @@ class WindowedHandler(Handler):
             # and their commits on this thread. None of them reads what another adds.
             pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"batch-{job.name}")
             quarantined = pool.submit(lambda: self.write(
-                [Output(self.sinks.quarantine[s], batch.quarantine(s), n) for s, n in batch.quarantined_by_source.items()],
+                [Output(self.sinks.quarantine[s], batch.quarantine(s, commit.id, batch_id), n)
+                 for s, n in batch.quarantined_by_source.items()],
                 commit, batch_id))
             fired = batch.fire(w_out)
             stored = pool.submit(store.write, batch_id, fired.store)
@@ -93,13 +107,15 @@ class WindowedHandler(Handler):
             written = deleted = 0
             if fired.rows is not None:
                 kept = batch.cache(fired.rows)
+                if forced and OP not in kept.columns:
+                    kept = kept.withColumn(OP, F.lit("upsert"))
                 extra = once("deleted", lambda: [F.count(F.when(F.col(OP) == "delete", 1)).alias("deleted")]) \
                     if OP in kept.columns else []
                 span = count_span(kept, "window_start", *extra)
                 deleted = span.get("deleted") or 0
                 written = span["n"] - deleted
                 outputs.append(Output(self.sinks.main, kept, span["n"], deleted, span["lo"], span["hi"],
-                                      [*job.keys, "window_start"] if job.upserts else None))
+                                      [*job.keys, "window_start"] if job.upserts or forced else None))
             t = timed("fire windows", t)
             tables = self.write(outputs, commit, batch_id)
             tables.update(quarantined.result())
@@ -113,6 +129,12 @@ class WindowedHandler(Handler):
                             rows_written=written, rows_deleted=deleted, watermark_out_ms=w_out)
             self.finish(batch_id, stats, previous, tables, started, store=manifest, removed=tuple(removed),
                         state_rows=manifest.rows())
+            if self._forced_ranges:  # ranges no window of which can fire any more are done with
+                open_after = [f.lo for f in manifest.of_kind("pieces")]
+                after = job.window.final_horizon_ms(w_out, job.watermark.allowed_lateness_ms, open_after)
+                if any(hi <= after for _, hi in self._forced_ranges):
+                    self._forced_ranges = [r for r in self._forced_ranges if r[1] > after]
+                    self.state.save_forced_ranges(self._forced_ranges)
             timed("store + record", t)
         finally:
             for strand in (quarantined, stored, compaction):  # a failure elsewhere: let the others end first

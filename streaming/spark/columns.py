@@ -102,3 +102,30 @@ def in_set(name: str, values: list[int]):
     padded = [*dict.fromkeys(int(v) for v in values)]
     padded += [p for p in range(-1, -12, -1) if p not in padded][:max(0, 11 - len(padded))]
     return F.expr(f"`{name}` IN ({', '.join(f'{v}L' for v in padded)})")
+
+
+# -- joins on keys that may be NULL --------------------------------------------------------------------------
+def same_keys(keys, prefix: str):
+    """``left.k <=> right.<prefix>k`` for every key: keys that may be NULL join like any value (a NULL key is
+    a group of its own, as in GROUP BY)."""
+    from functools import reduce
+
+    from pyspark.sql import functions as F
+
+    return reduce(lambda a, b: a & b, [F.col(k).eqNullSafe(F.col(f"{prefix}{k}")) for k in keys])
+
+
+def join_keys(left, right, keys, how: str = "inner"):
+    """``left.join(right, keys, how)`` with NULL-safe equality on ``keys`` (Spark's join on names drops rows
+    whose key is NULL). The result has each key once, as the join on names has (coalesced for outer joins)."""
+    from pyspark.sql import functions as F
+
+    keys = list(keys)
+    renamed = right.select(*[F.col(k).alias(f"_jk_{k}") for k in keys], *[c for c in right.columns if c not in keys])
+    joined = left.join(renamed, same_keys(keys, "_jk_"), how)
+    if how in ("left_semi", "semi", "leftsemi", "left_anti", "anti", "leftanti"):
+        return joined
+    if how in ("full_outer", "full", "outer", "fullouter", "right", "right_outer"):
+        rest = [c for c in joined.columns if c not in keys and not c.startswith("_jk_")]
+        return joined.select(*[F.coalesce(F.col(k), F.col(f"_jk_{k}")).alias(k) for k in keys], *rest)
+    return joined.drop(*[f"_jk_{k}" for k in keys])

@@ -571,8 +571,10 @@ class KeyedOutput:
         """The late side output's rows, each with the watermark it was late for and by how much."""
         return split(self.job, self.frame, self.main_schema, watermark_ms)["late"]
 
-    def quarantine(self, source: str) -> DataFrame:
-        return self._split()[f"quarantine:{source}"]
+    def quarantine(self, source: str, written_by: str | None = None, batch_id: int | None = None) -> DataFrame:
+        """The invalid lines of ``source``, with the commit that writes them (see the quarantine tables' schema)."""
+        return self._split()[f"quarantine:{source}"].select(
+            "*", F.lit(written_by).cast("string").alias("written_by"), F.lit(batch_id).cast("long").alias("batch_id"))
 
 
 def _statistics(job: KeyedJob) -> list:

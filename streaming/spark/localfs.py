@@ -51,32 +51,65 @@ def _hadoop_jar() -> str | None:
 
 def classes_dir(settings) -> str | None:
     """The folder holding the compiled class, built on first use into ``settings.cache_dir`` (None: disabled
-    by ``settings.no_fork_fs``, no compiler, or the build failed; streams then use Hadoop's own local file
-    system)."""
+    by ``settings.no_fork_fs``, no compiler, a build that failed, or a cache that is not this user's alone;
+    streams then use Hadoop's own local file system). Never raises: the file system is an optimisation."""
     if not settings.no_fork_fs:
         return None
-    cache = Path(settings.cache_dir)
+    try:
+        return _classes_dir(Path(settings.cache_dir))
+    except OSError as exc:  # e.g. a cache folder owned by another user: not a reason to fail a Spark session
+        log.warning("cannot use the cache %s (%s); streams keep Hadoop's local file system", settings.cache_dir, exc)
+        return None
+
+
+def _classes_dir(cache: Path) -> str | None:
     digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
     root = cache / f"hadoop-fs-{digest}"
+    failed = cache / f"hadoop-fs-{digest}.failed"
     if (root / _CLASS_FILE).exists():
-        return str(root)
+        return str(root) if _private(cache, root, root / _CLASS_FILE) else None
     javac, hadoop = _javac(), _hadoop_jar()
     if javac is None or hadoop is None:
         log.debug("no javac or Hadoop jar: streams keep Hadoop's local file system")
         return None
+    if failed.exists() and failed.read_text().splitlines()[:1] == [_compiler_id(javac)]:
+        return None  # this compiler failed on this source before: not again on every session
+    cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not _private(cache):
+        return None
+    build = tempfile.mkdtemp(dir=cache, prefix=".build-")  # (0700)
     try:
-        cache.mkdir(parents=True, exist_ok=True)
-        build = tempfile.mkdtemp(dir=cache, prefix=".build-")
         subprocess.run([javac, "--release", "8", "-nowarn", "-cp", hadoop, "-d", build, str(_SOURCE)],
                        capture_output=True, text=True, timeout=120, check=True)
-        try:
-            os.rename(build, root)  # atomic; another process may have built it meanwhile
-        except OSError:
-            shutil.rmtree(build, ignore_errors=True)
     except (OSError, subprocess.SubprocessError) as exc:
+        shutil.rmtree(build, ignore_errors=True)
+        detail = getattr(exc, "stderr", None) or str(exc)
+        failed.write_text(f"{_compiler_id(javac)}\n{detail}")
         log.warning("could not build %s (%s); streams keep Hadoop's local file system", _SOURCE.name, exc)
         return None
-    return str(root) if (root / _CLASS_FILE).exists() else None
+    try:
+        os.rename(build, root)  # atomic; another process may have built it meanwhile
+    except OSError:
+        shutil.rmtree(build, ignore_errors=True)
+    return str(root) if (root / _CLASS_FILE).exists() and _private(cache, root, root / _CLASS_FILE) else None
+
+
+def _compiler_id(javac: str) -> str:
+    """Which compiler tried (its path and modification time): a changed compiler is tried again."""
+    return f"{javac} {os.stat(javac).st_mtime_ns}"
+
+
+def _private(*paths: Path) -> bool:
+    """Whether each path is this user's and writable by nobody else: the driver's JVM loads the class from
+    there, so a cache another user can write to (a shared LAKESTREAM_CACHE) is not used."""
+    for path in paths:
+        info = os.stat(path)
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            log.warning("%s is not this user's alone (owner uid %s, mode %o); streams keep Hadoop's local file "
+                        "system: point LAKESTREAM_CACHE at a folder of your own", path, info.st_uid,
+                        info.st_mode & 0o777)
+            return False
+    return True
 
 
 def loadable(spark) -> bool:

@@ -200,8 +200,9 @@ class WindowedBatch:
         return advance(self.watermark_in_ms, self.stats().max_event_time_ms, self.job.watermark.out_of_orderness_ms)
 
     # -- outputs ---------------------------------------------------------------------------
-    def quarantine(self, source: str | None = None) -> DataFrame:
-        """Invalid lines (of ``source``, or all), one row per (file, line text) with its count."""
+    def quarantine(self, source: str | None = None, written_by: str | None = None, batch_id: int | None = None) -> DataFrame:
+        """Invalid lines (of ``source``, or all), one row per (file, line text) with its count, and the commit
+        that writes them (``written_by``, ``batch_id``: see ``io.schemas.QUARANTINE_SCHEMA``)."""
         lines = self._cached_lines()
         where, keys, values, columns = once(("quarantine", source), lambda: (
             F.col("_reason").isNotNull() & (F.lit(True) if source is None else F.col("source") == source),
@@ -210,7 +211,9 @@ class WindowedBatch:
             [F.col(c) for c in ("source", "source_file", "raw_line", "reason", "occurrences")]
             + [F.lit(self.job.name).alias("detected_by")],
         ), self.job)
-        return select(group(lines.where(where), keys, values), columns)
+        rows = select(group(lines.where(where), keys, values), columns)
+        return rows.select("*", F.lit(written_by).cast("string").alias("written_by"),
+                           F.lit(batch_id).cast("long").alias("batch_id"))
 
     def events(self) -> DataFrame:
         """Valid events, each delivery once: repeated ids within the batch and ids the stream

@@ -12,7 +12,7 @@ from pyspark.sql import types as T
 
 from ..checkpoint.store import BUCKET_MS, COMPACT_EVERY, Manifest, Store, StoreFile
 from ..declaration import WindowedJob
-from ..spark.columns import as_param, param
+from ..spark.columns import as_param, param, same_keys
 from ..windows import WE, WS
 from ..windows.session import newest_evals
 from .aggregates import Aggregates
@@ -70,10 +70,7 @@ def compact(job: WindowedJob, store: Store, batch_id: int, watermark_ms: int, ty
             recent = newest_evals(store.read("evals", due["evals"]), job.keys)
             spans = open_windows.select(*[F.col(k).alias(f"_s_{k}") for k in job.keys], F.col(WS).alias("_s_ws"),
                                         F.col(WE).alias("_s_we"))
-            inside = F.lit(True)
-            for k in job.keys:
-                inside = inside & (F.col(k) == F.col(f"_s_{k}"))
-            inside = inside & (F.col(WS) >= F.col("_s_ws")) & (F.col(WS) < F.col("_s_we"))
+            inside = same_keys(job.keys, "_s_") & (F.col(WS) >= F.col("_s_ws")) & (F.col(WS) < F.col("_s_we"))
             merged["evals"] = recent.join(spans, inside, "left_semi")
     made = store.write(batch_id, merged, folder=f"{store.layout.store}/c{batch_id}")
     return Compaction(made, [f for files in due.values() for f in files])

@@ -8,7 +8,7 @@ from typing import Sequence
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from ..spark.columns import as_param, group, once, param
+from ..spark.columns import as_param, group, join_keys, once, param
 from .base import WE, WS, Fired, Firing, Window
 
 
@@ -75,7 +75,7 @@ class FixedWindows(Window):
         if earlier is None or not f.having:
             return Fired(rows=written, store=store)
         before = windows.merge(earlier).where(passing).select(*f.keys, WS).withColumn("_was", F.lit(True))
-        left = due.where(corrected & ~passing).join(before, [*f.keys, WS], "inner")
+        left = join_keys(due.where(corrected & ~passing), before, [*f.keys, WS], "inner")
         return Fired(rows=written.unionByName(windows.deletes(left)), store=store)
 
     # -- lateness -------------------------------------------------------------------------------
@@ -87,6 +87,16 @@ class FixedWindows(Window):
         return late.select(*keys, "window_start").distinct()
 
     # -- bounded runs ---------------------------------------------------------------------------
+    def events_for(self, lo_ms: int, hi_ms: int) -> tuple[int, int] | None:
+        """Windows starting in ``[lo, hi)`` start on the grid from the first multiple of ``every`` at or after
+        ``lo`` to the last one before ``hi``, and the last of them ends ``size`` after its start, after ``hi``
+        whenever the range ends inside a window."""
+        first = -(-lo_ms // self.every_ms) * self.every_ms
+        last = (hi_ms - 1) // self.every_ms * self.every_ms
+        return first, last + self.size_ms
+
     def final_horizon_ms(self, watermark_ms: int, lateness_ms: int, open_starts_ms: Sequence[int]) -> int:
-        # every window starting before the horizon has end + L <= W
-        return watermark_ms - lateness_ms - self.size_ms + self.every_ms
+        """A window is final when ``end + L <= W``, i.e. when it starts at or before ``W - L - size``; the
+        horizon is the first start on the grid after that, so every window starting before it is final."""
+        last_final = (watermark_ms - lateness_ms - self.size_ms) // self.every_ms * self.every_ms
+        return last_final + self.every_ms

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import reduce
 from typing import Sequence
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import Window as SparkWindow
 from pyspark.sql import functions as F
 
-from ..spark.columns import as_param, param
+from ..spark.columns import as_param, join_keys, param, same_keys
 from ..time import format_duration, positive, to_ms
 from .base import WE, WS, Fired, Firing, Window
 
@@ -70,7 +69,7 @@ class Session(Window):
             closing = earlier.where((as_param(F.col(WE)) > param(w_in)) & (as_param(F.col(WE)) <= param(w_out)))
             candidates = candidates.unionByName(closing.select(*keys))
             # their sessions before this batch, as pieces; those closed for good (end + L <= W_in) are gone
-            before = windows.merge(earlier.join(candidates.distinct(), keys, "left_semi"))
+            before = windows.merge(join_keys(earlier, candidates.distinct(), keys, "left_semi"))
             pieces = before.where(as_param(F.col(WE) + F.lit(lateness)) > param(w_in)).unionByName(pieces)
         sessions = windows.merge(pieces).where(as_param(F.col(WE)) <= param(w_out))
         evals = latest_evals(f.store, keys)
@@ -81,10 +80,7 @@ class Session(Window):
             e = evals.select(*[F.col(k).alias(f"_e_{k}") for k in keys], F.col(WS).alias("_e_ws"),
                              F.col(WE).alias("_e_we"), *[F.col(a).alias(f"_e_{a}") for a in aggs],
                              F.col("passing").alias("_e_passing"))
-            inside = F.lit(True)
-            for k in keys:
-                inside = inside & (F.col(k) == F.col(f"_e_{k}"))
-            inside = inside & (F.col("_e_ws") >= F.col(WS)) & (F.col("_e_ws") < F.col(WE))
+            inside = same_keys(keys, "_e_") & (F.col("_e_ws") >= F.col(WS)) & (F.col("_e_ws") < F.col(WE))
             same = (F.col("_e_ws") == F.col(WS)) & (F.col("_e_we") == F.col(WE))
             for a in aggs:
                 same = same & F.col(f"_e_{a}").eqNullSafe(F.col(a))
@@ -111,15 +107,14 @@ class Session(Window):
 
     # -- lateness -------------------------------------------------------------------------------
     def may_be_late(self, earliest_event_ms: int, lateness_ms: int, watermark_ms: int) -> bool:
-        # an event's own session window ends a gap after it
-        return earliest_event_ms + self.gap_ms + lateness_ms < watermark_ms
+        # An event's own window [t, t + gap) is late when t + gap + L <= W (the late rule of every window).
+        return earliest_event_ms + self.gap_ms + lateness_ms <= watermark_ms
 
     def late_windows(self, windows: DataFrame, late: DataFrame, keys: Sequence[str], event_time: str) -> DataFrame:
         """A late event within a gap of a session would have joined it."""
         gap = F.expr(f"INTERVAL {self.gap_ms} MILLISECONDS")
         events = late.select(*[F.col(k).alias(f"_l_{k}") for k in keys], F.col(event_time).alias("_lt"))
-        near = reduce(lambda a, b: a & b, [F.col(k) == F.col(f"_l_{k}") for k in keys],
-                      (F.col("_lt") >= F.col("window_start") - gap) & (F.col("_lt") <= F.col("window_end")))
+        near = same_keys(keys, "_l_") & (F.col("_lt") >= F.col("window_start") - gap) & (F.col("_lt") <= F.col("window_end"))
         return windows.join(events, near, "left_semi").select(*keys, "window_start").distinct()
 
     # -- bounded runs ---------------------------------------------------------------------------

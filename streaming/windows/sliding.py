@@ -35,9 +35,5 @@ class Sliding(FixedWindows):
     def every_ms(self) -> int:
         return to_ms(self.every)
 
-    def events_for(self, lo_ms: int, hi_ms: int) -> tuple[int, int] | None:
-        # The last window starting before hi starts at (hi - every) at the latest and ends size later.
-        return lo_ms, hi_ms - self.every_ms + self.size_ms
-
     def describe(self) -> str:
         return f"Sliding(size={format_duration(self.size)}, every={format_duration(self.every)})"

@@ -26,9 +26,5 @@ class Tumbling(FixedWindows):
     def every_ms(self) -> int:
         return self.size_ms
 
-    def events_for(self, lo_ms: int, hi_ms: int) -> tuple[int, int] | None:
-        """The event times a bounded run needs to compute the windows starting in ``[lo, hi)``."""
-        return lo_ms, hi_ms
-
     def describe(self) -> str:
         return f"Tumbling(size={format_duration(self.size)})"

@@ -30,7 +30,7 @@ from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
 from ...declaration import Table
 from ...spark.jvm import collect_arrow
-from .base import OP, WATERMARK_KEY, Commit, with_retries
+from .base import COMMIT_KEY, OP, WATERMARK_KEY, Commit, later_batch, with_retries
 
 
 GENERATED = "delta.generationExpression"  # field metadata key of Delta's generated columns
@@ -126,7 +126,7 @@ class DeltaRsSink:
             return False
         data = to_arrow(frame)
         columns = {c: f"s.{c}" for c in frame.columns if c != OP}
-        on = " AND ".join(f"t.{k} = s.{k}" for k in keys)
+        on = " AND ".join(f"(t.{k} IS NOT DISTINCT FROM s.{k})" for k in keys)
 
         def merge() -> None:
             (self._dt().merge(data, on, source_alias="s", target_alias="t", commit_properties=self._properties(commit))
@@ -153,7 +153,7 @@ class DeltaRsSink:
         data = to_arrow(frame)
         if data.num_rows == 0:
             return
-        condition = " AND ".join(f"t.{c} = s.{c}" for c in on)
+        condition = " AND ".join(f"(t.{c} IS NOT DISTINCT FROM s.{c})" for c in on)
         with_retries(self.table, lambda: self._dt().merge(
             data, condition, source_alias="s", target_alias="t", commit_properties=self._properties(None, properties)
         ).when_not_matched_insert_all().execute())
@@ -162,7 +162,7 @@ class DeltaRsSink:
         data = to_arrow(frame.select(*on))
         if data.num_rows == 0:
             return
-        condition = " AND ".join(f"t.{c} = s.{c}" for c in on)
+        condition = " AND ".join(f"(t.{c} IS NOT DISTINCT FROM s.{c})" for c in on)
         with_retries(self.table, lambda: self._dt().merge(
             data, condition, source_alias="s", target_alias="t", commit_properties=self._properties(None, properties)
         ).when_matched_delete().execute())
@@ -170,6 +170,14 @@ class DeltaRsSink:
     # -- versions ------------------------------------------------------------------------
     def version(self) -> int | None:
         return self._dt().version() if self.exists() else None
+
+    def version_before(self, app_id: str, batch_id: int) -> int | None:
+        """The version that holds this table as the stream ``app_id`` left it after batch ``batch_id``: the one
+        before its first commit of a later batch, or the current version when it has none."""
+        if not self.exists():
+            return None
+        later = [h["version"] for h in self._dt().history() if later_batch(h.get(COMMIT_KEY), app_id, batch_id)]
+        return min(later) - 1 if later else self.version()
 
     def has_version(self, version: int) -> bool:
         """Whether version ``version`` can still be loaded (its log and files not cleaned up)."""

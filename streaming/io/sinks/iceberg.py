@@ -21,7 +21,7 @@ from pyspark.sql import types as T
 
 from ...declaration import Table
 from ...spark.jvm import with_iceberg_commit_properties
-from .base import COMMIT_KEY, OP, Commit, with_retries
+from .base import COMMIT_KEY, OP, Commit, later_batch, with_retries
 
 DAY_MS = 86_400_000
 _views = itertools.count()
@@ -164,6 +164,23 @@ class IcebergSink:
             return None
         rows = self.spark.sql(f"SELECT snapshot_id FROM {self.table.name}.refs WHERE name = 'main'").collect()
         return int(rows[0].snapshot_id) if rows else None
+
+    def version_before(self, app_id: str, batch_id: int) -> int | None:
+        """The snapshot that holds this table as the stream ``app_id`` left it after batch ``batch_id``: the parent
+        of its first commit of a later batch in the current lineage, or the current snapshot when it has none
+        (None: the table was empty then)."""
+        if not self.exists():
+            return None
+        name = self.table.name
+        rows = self.spark.sql(
+            f"SELECT s.parent_id, s.summary['{COMMIT_KEY}'] AS c, h.made_current_at FROM {name}.snapshots s "
+            f"JOIN {name}.history h ON s.snapshot_id = h.snapshot_id WHERE h.is_current_ancestor "
+            f"AND s.summary['{COMMIT_KEY}'] LIKE '{app_id}:%'"
+        ).collect()
+        later = sorted((r for r in rows if later_batch(r.c, app_id, batch_id)), key=lambda r: r.made_current_at)
+        if not later:
+            return self.version()
+        return None if later[0].parent_id is None else int(later[0].parent_id)
 
     def has_version(self, version: int) -> bool:
         """Whether the table still holds snapshot ``version`` (not expired), so it can be restored."""

@@ -2,10 +2,12 @@
 not changed), read in arrival order (Spark's file source orders by modification time).
 
 * ``json`` and ``csv``: Spark's text source, one line per record (the parser knows the format);
-* ``parquet``: Spark's binary-file source (so the stream's file log and exactly-once rules are the
-  same as for text), each file's rows turned into JSON objects on the executors, with the file's own
-  types written as text, so the declared types are checked exactly as for JSON. A file that is not
-  Parquet becomes one quarantine record naming the file and the error, never a crashed stream.
+* ``parquet``: Spark's binary-file source lists the files (so the stream's file log and exactly-once rules
+  are the same as for text) without reading their bytes; each executor task opens its file and turns
+  its rows into JSON objects a row group at a time (``PARQUET_CHUNK_ROWS`` rows at most in memory), with
+  the file's own types written as text, so the declared types are checked exactly as for JSON. A file
+  of any size streams; one that is not Parquet, or that breaks off, becomes one quarantine record naming
+  the file, how many rows it gave, and the error, never a crashed stream.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import decimal
-import io
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from .base import SOURCE, SourceKind
 _BINARY_FILE = "path string, modificationTime timestamp, length long, content binary"
 _PARQUET_ROWS = "value string, source_file string, _problem string"
 _EXTENSIONS = {"json": "jsonl", "csv": "csv", "parquet": "parquet"}
+MAX_FILE_AGE = "36500d"  # (Spark's stream remembers every file it has read in its source log, whatever this is)
 
 
 class Files(SourceKind):
@@ -61,11 +63,14 @@ class Files(SourceKind):
         # A landing file deleted between the listing that planned a batch and its reading: the batch goes on
         # with the files that are there (Spark's default fails it, and every replay of it, for ever). Only the
         # landing read: the store's own files must never go missing unnoticed.
+        # A file is read whatever its modification time: Spark's file source ignores files more than
+        # ``maxFileAge`` (7 days by default) older than the newest file it has seen, and a file copied in with
+        # its times kept (cp -p, rsync -a, tar x, a mv from a staging folder) would never be read.
         reader = spark.readStream.format("binaryFile" if source.format == "parquet" else "text") \
-            .option("ignoreMissingFiles", "true")
+            .option("ignoreMissingFiles", "true").option("maxFileAge", MAX_FILE_AGE)
         if max_files_per_trigger is not None:
             reader = reader.option("maxFilesPerTrigger", max_files_per_trigger)
-        return self._records(reader, landing, source)
+        return self._records(reader, landing, source, settings)
 
     def read(self, spark, settings, source, *, position: int | None = None,
              files: list[str] | None = None) -> DataFrame:
@@ -76,14 +81,16 @@ class Files(SourceKind):
             if not HadoopFS(spark).exists(landing):
                 raise DateRangeError(f"no landing data at {landing}; run `lakestream generate` first or fix 'landing'")
         reader = spark.read.format("binaryFile" if source.format == "parquet" else "text")
-        return self._records(reader, files if files is not None else settings.landing_dir(source), source)
+        return self._records(reader, files if files is not None else settings.landing_dir(source), source, settings)
 
     @staticmethod
-    def _records(reader, folder_or_files, source) -> DataFrame:
+    def _records(reader, folder_or_files, source, settings) -> DataFrame:
         if source.format == "parquet":
             frame = reader.schema(_BINARY_FILE).load(folder_or_files)  # (a stream must be told the schema)
-            frame = frame.select(F.col("_metadata.file_path").alias("path"), "content").mapInPandas(
-                _parquet_records, _PARQUET_ROWS)
+            # Only the path: the binary-file source then lists files without reading them (their bytes would
+            # be one value of at most 2 GiB, read whole into one task's memory).
+            frame = frame.select(F.col("_metadata.file_path").alias("path")).mapInPandas(
+                _parquet_reader(dict(settings.storage_options)), _PARQUET_ROWS)
             return frame.select("value", "source_file", F.lit(source.name).alias(SOURCE), PROBLEM)
         frame = reader.load(folder_or_files)
         return frame.select("value", F.col("_metadata.file_path").alias("source_file"), F.lit(source.name).alias(SOURCE),
@@ -141,23 +148,40 @@ def _text(value):
     return json.dumps(value, default=str)
 
 
-def _parquet_records(batches):
+PARQUET_CHUNK_ROWS = 10_000  # rows of a Parquet file in a task's memory at once
+
+
+def _parquet_reader(storage_options: dict):
+    """The ``mapInPandas`` function that turns the listed Parquet files into records, on the executors (it
+    reads each file through fsspec: local disks, and object stores with the settings' storage options)."""
+
+    def records(batches):
+        for batch in batches:
+            for path in batch["path"]:
+                yield from _file_records(path, storage_options)
+
+    return records
+
+
+def _file_records(path: str, storage_options: dict, chunk_rows: int = PARQUET_CHUNK_ROWS):
+    import fsspec
     import pandas as pd
     import pyarrow.parquet as pq
 
-    for batch in batches:
-        out = {"value": [], "source_file": [], PROBLEM: []}
-        for path, content in zip(batch["path"], batch["content"]):
-            try:
-                rows = pq.read_table(io.BytesIO(content)).to_pylist()
-            except Exception as exc:  # noqa: BLE001 - any unreadable file is a quarantine record, not a crash
-                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                out["value"].append(f"(unreadable file of {len(content)} bytes)")
-                out["source_file"].append(path)
-                out[PROBLEM].append(f"unreadable Parquet file: {reason[:200]}")
-                continue
-            for row in rows:
-                out["value"].append(json.dumps({k: _text(v) for k, v in row.items()}, allow_nan=False))
-                out["source_file"].append(path)
-                out[PROBLEM].append(None)
-        yield pd.DataFrame(out, columns=["value", "source_file", PROBLEM])
+    def frame(values: list, problems: list) -> pd.DataFrame:
+        return pd.DataFrame({"value": values, "source_file": [path] * len(values), PROBLEM: problems},
+                            columns=["value", "source_file", PROBLEM])
+
+    rows = 0
+    try:
+        fs, local = fsspec.core.url_to_fs(path, **storage_options)
+        with fs.open(local, "rb") as handle:
+            for batch in pq.ParquetFile(handle).iter_batches(batch_size=chunk_rows):
+                values = [json.dumps({k: _text(v) for k, v in row.items()}, allow_nan=False) for row in batch.to_pylist()]
+                rows += len(values)
+                yield frame(values, [None] * len(values))
+    except Exception as exc:  # noqa: BLE001 - an unreadable file (or its rest) is a quarantine record, not a crash
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = f"after row {rows}: " if rows else ""
+        yield frame([f"(unreadable Parquet file; {rows} row(s) read before the error)"],
+                    [f"unreadable Parquet file: {where}{reason[:200]}"])
