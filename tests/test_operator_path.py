@@ -231,6 +231,30 @@ def test_of_many_processes_taking_one_lease_at_once_exactly_one_wins(tmp_path):
     assert said == ["refused"] * 7 + ["won"]
 
 
+def test_of_many_processes_taking_one_lease_on_an_object_store_exactly_one_wins(tmp_path):
+    """The same race on an S3 API (moto on loopback, which answers a conditional put as S3 does: 412)."""
+    moto = pytest.importorskip("moto.server", reason="the test extra installs moto")
+    boto3 = pytest.importorskip("boto3")
+    server = moto.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}
+        boto3.client("s3", endpoint_url=f"http://{host}:{port}", aws_access_key_id="k", aws_secret_access_key="s",
+                     region_name="us-east-1").create_bucket(Bucket="lake")
+        options = json.dumps({"client_kwargs": {"endpoint_url": f"http://{host}:{port}"}})
+        code = ("import json, sys, time; from streaming.checkpoint.lease import Lease\n"
+                "from streaming.errors import LeaseHeldError\n"
+                "try:\n  Lease(sys.argv[1], json.loads(sys.argv[2])).acquire('stream'); print('won'); time.sleep(3)\n"
+                "except LeaseHeldError:\n  print('refused')")
+        racers = [subprocess.Popen([sys.executable, "-c", code, "s3a://lake/checkpoints/job", options], env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(6)]
+        said = sorted(r.communicate(timeout=120)[0].strip() for r in racers)
+        assert said == ["refused"] * 5 + ["won"]
+    finally:
+        server.stop()
+
+
 def test_a_second_runner_of_a_running_job_is_refused_in_one_line_and_the_first_goes_on(spark, small_landing):
     from tests.conftest import write_config
     from tests.test_cli import assert_one_line_error, lakestream

@@ -47,8 +47,10 @@ class Tree:
 
     def entries(self, *parts: str) -> list[dict]:
         """The folder's entries (fsspec detail dicts), [] when it is missing."""
+        path = self.path(*parts)
+        self.fs.invalidate_cache(path)  # (object stores' listings are cached: a lease must see the store as it is)
         try:
-            return list(self.fs.ls(self.path(*parts), detail=True))
+            return list(self.fs.ls(path, detail=True))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
