@@ -40,6 +40,7 @@ from streaming.checkpoint.records import BatchStats
 from streaming.errors import DateRangeError, OwnershipError
 from streaming.settings import Settings
 from streaming.checkpoint.records import EngineState
+from streaming.checkpoint.tree import file_key
 from streaming.spark.metrics import observe, observed
 from streaming.io.schemas import late_time_column, main_time_column
 from streaming.io.tables import job_sinks
@@ -201,7 +202,9 @@ def _backfill(spark, settings: Settings, job: Job, start: datetime, end: datetim
         say(f"  [1/{tables}] {sinks.main.table.name}: {days}/{days} day partition(s) replaced, {rows:,} rows")
         # The quarantine and late tables are independent commits: run side by side (each is a small
         # job whose time is mostly planning and commit latency, which overlap).
-        steps = [lambda s=source, f=frame: _quarantine(sinks, result, s, f, props) for source, frame in result.quarantine.items()]
+        read = _read_by_stream(settings, job)
+        steps = [lambda s=source, f=frame: _quarantine(sinks, result, s, f, props, read)
+                 for source, frame in result.quarantine.items()]
         steps.append(lambda: _absorb_late(sinks, result, job, lo, hi, props))
         with ThreadPoolExecutor(max_workers=len(steps), thread_name_prefix=f"backfill-{job.name}") as pool:
             for done, line in enumerate(pool.map(lambda step: step(), steps), start=2):
@@ -215,13 +218,34 @@ def _backfill(spark, settings: Settings, job: Job, start: datetime, end: datetim
                           partitions=days, reconciliation=reconciliation)
 
 
-def _quarantine(sinks, result, source: str, frame, props) -> str:
+def _quarantine(sinks, result, source: str, frame, props, read_by_stream: set[str] | None) -> str:
+    """Add the run's quarantined lines that this job's rows of the table lack. ``read_by_stream``: the landing
+    files the job's stream has read (None: no stream, or a source without landing files); lines of other
+    files are left to the stream, which quarantines them when it reads them (both would be one too many)."""
     name = sinks.quarantine[source].table.name
     if result.quarantined(source) == 0:  # (None: not counted apart, so written)
         return f"{name}: nothing quarantined, left as it is"
+    if read_by_stream is not None:
+        files = [r.source_file for r in frame.select("source_file").distinct().collect()]
+        mine = [f for f in files if f is not None and file_key(f) in read_by_stream]
+        if len(mine) < len(files):
+            frame = frame.where(F.col("source_file").isin(mine))
     frame = frame.withColumn("written_by", F.lit(f"backfill:{props['lakestream.backfill']}"))
-    sinks.quarantine[source].insert_missing(frame, ("source_file", "raw_line"), props)
+    sinks.quarantine[source].insert_missing(frame, ("source_file", "raw_line", "detected_by"), props)
     return f"{name}: quarantined lines added where missing"
+
+
+def _read_by_stream(settings: Settings, job: Job) -> set[str] | None:
+    """The landing files the job's stream has read, as ``file_key`` names them (None: it never ran, or it
+    reads no landing folder)."""
+    from streaming.checkpoint.inspect import inspect_job
+
+    from streaming.io.sources import kind_of
+
+    if not any(kind_of(s).lands_in_folder for s in job.sources):
+        return None
+    report = inspect_job(settings, job)
+    return set(report.consumed_files) if report.exists else None
 
 
 def _absorb_late(sinks, result, job: Job, lo: int, hi: int, props) -> str:
