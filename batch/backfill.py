@@ -41,6 +41,7 @@ from streaming.errors import DateRangeError, OwnershipError
 from streaming.settings import Settings
 from streaming.checkpoint.records import EngineState
 from streaming.checkpoint.tree import file_key
+from streaming.spark.jvm import cached_leaf
 from streaming.spark.metrics import observe, observed
 from streaming.io.schemas import late_time_column, main_time_column
 from streaming.io.tables import job_sinks
@@ -258,8 +259,8 @@ def _absorb_late(sinks, result, job: Job, lo: int, hi: int, props) -> str:
         if late_rows.count():  # (the range's events are read again only when late rows could match them)
             absorbed = late_rows.join(result.consumed, key, "left_semi").cache()
             absorbed_n = absorbed.count()
-            if absorbed_n:
-                sinks.late.delete_keys(absorbed, (key, late_column), props)
+            if absorbed_n:  # (as the cache alone: the events' plan numbers lines, which a MERGE refuses to read)
+                sinks.late.delete_keys(cached_leaf(absorbed), (key, late_column), props)
             absorbed.unpersist()
     finally:
         late_rows.unpersist()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from batch.backfill import backfill
+from batch.bounded import compute
 from lakestream.generator import GeneratorConfig, generate
 from streaming.project import get_job
 from streaming.run.runner import run_stream
@@ -172,10 +173,17 @@ def keyed(spark, settings, name, sources, keep, pattern, sql, days=1):
     assert late_ids(spark, job) == sorted(late)
     assert report.stats.late == len(late)
 
-    bounded(spark, settings, job, days)
+    # The bounded twin over the days: every output (a forced backfill would leave those after the stream's
+    # watermark to the stream: keyed outputs have no key to upsert on, see test_forced_backfill).
     start = int(BUSY.start.timestamp() * 1000)
+    twin = compute(spark, settings, job, start, start + days * 24 * 60 * MIN)
+    try:
+        twin.main.createOrReplaceTempView("keyed_twin")
+        got = set(rows(spark, sql.replace(job.sink.name, "keyed_twin")))
+    finally:
+        twin.release()
     everything = pattern(oj.dedup([e for b in batched for e in b if keep(e)]), start + days * 24 * 60 * MIN - 1)
-    assert set(rows(spark, sql)) == everything
+    assert got == everything
     return expected, everything
 
 

@@ -1,4 +1,5 @@
-"""Properties over random input: hundreds of random scenarios — events out of order, late, delivered twice,
+"""Properties over random input: hundreds of random scenarios — events out of order, late, delivered twice
+(sometimes with another event time),
 split into random micro-batches, for random tumbling, sliding and session windows with random lateness, and
 random backfill ranges that start and end anywhere. For each scenario:
 
@@ -30,7 +31,7 @@ from lakestream.testing import JobHarness
 from streaming.declaration import Agg, Table, Watermark, WindowedJob
 from streaming.jobs.sources import PAYMENTS
 from streaming.windows import Session, Sliding, Tumbling
-from tests.landing import MIN, SEC, T0, payment, with_t
+from tests.landing import MIN, SEC, T0, iso, payment, with_t
 from tests.oracle_windows import bounded_windows
 from tests.test_windows import win_of
 
@@ -60,7 +61,7 @@ def _config(rng: random.Random, i: int) -> WindowedJob:
 
 def _scenario(rng: random.Random, stream: int, s: int) -> list[list[dict]]:
     """A scenario's micro-batches: events in arrival order, with bounded disorder, some very late, some
-    delivered twice."""
+    delivered twice (the second time, now and then, with another event time: the first delivery counts)."""
     users = [f"s{stream}_{s}_{u}" for u in range(rng.randint(1, 3))]
     events = []
     for n in range(rng.randint(8, 40)):
@@ -70,8 +71,11 @@ def _scenario(rng: random.Random, stream: int, s: int) -> list[list[dict]]:
             arrival += rng.randrange(1 * MIN, 6 * MIN)  # very late
         event = payment(f"e{stream}_{s}_{n}", T0 + t, user=rng.choice(users), amount=f"{rng.randint(1, 99)}.00")
         events.append((arrival, event))
-        if rng.random() < 0.08:  # delivered again, up to a minute later
-            events.append((arrival + rng.randrange(0, MIN), dict(event)))
+        if rng.random() < 0.08:  # delivered again, up to a minute later; half of them stamped anew
+            again = dict(event)
+            if rng.random() < 0.5:
+                again["event_time"] = iso(T0 + max(0, t + rng.randrange(-3 * MIN, 3 * MIN)))
+            events.append((arrival + rng.randrange(0, MIN), again))
     events.sort(key=lambda a: a[0])
     cuts = sorted(rng.sample(range(1, len(events)), k=min(len(events) - 1, rng.randint(1, 5))))
     bounds = [0, *cuts, len(events)]

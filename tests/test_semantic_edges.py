@@ -164,3 +164,38 @@ def test_a_parquet_file_larger_than_a_task_may_read_whole_streams_in_chunks(spar
     got = {(r.device, int(r.window_start.timestamp() * 1000)): (r.readings, r.total) for r in out.main.itertuples()}
     assert got == {k: (v.readings, v.total) for k, v in expected.iterrows()}
     assert out.quarantine.empty
+
+
+@pytest.mark.parametrize("window", [Tumbling(timedelta(minutes=5)), Session(timedelta(minutes=1))],
+                         ids=["tumbling", "session"])
+def test_a_re_delivery_stamped_with_another_event_time_counts_once_where_it_first_arrived(spark, lake_home, window):
+    """A producer that stamps its retries anew: the id's first delivery counts (its event time decides the
+    window), every later one is a duplicate — in a later batch (looked up whatever its event time), in the same
+    batch (the earlier file, then the earlier line), and in the bounded twin, also over a range that holds only
+    the re-delivery's event time. Checked against the plain-Python oracle (first delivery by arrival)."""
+    moved = dict(p(1, 1 * MIN, "u1", "7.00"), event_time=iso(T0 + 12 * MIN))  # e1 again, 11 minutes later
+    batches = [
+        [p(1, 1 * MIN, "u1", "7.00"), p(2, 2 * MIN, "u2")],
+        [dict(p(4, 13 * MIN, "u3"), event_time=iso(T0 + 4 * MIN)),       # e4 first stamped 04:00 ...
+         p(4, 13 * MIN, "u3"), p(5, 14 * MIN, "u2"), p(3, 3 * MIN, "u2")],  # ... then 13:00 in the same file
+        [moved],                                                         # a later batch: dropped
+        [p(9, 60 * MIN, "u9")],                                          # closes everything
+    ]
+    report, table, late = stream(spark, lake_home, job_for(window, timedelta(0)), batches)
+    truth = replay_windows([with_t(b) for b in batches], win_of(window), delay=DELAY, lateness=0,
+                           key=lambda e: e["user_id"], measure=measure)
+    assert table == {k: (v["window_end"], v["events"], v["amount"]) for k, v in truth.table.items()}
+    first_seen = {(u, ws - T0) for u, ws in table if u in ("u1", "u3")}
+    assert first_seen == ({("u1", 1 * MIN), ("u3", 4 * MIN)} if isinstance(window, Session) else {("u1", 0), ("u3", 0)})
+    assert not late
+
+    harness = JobHarness(job_for(window, timedelta(0)), lake_home.home, settings=lake_home)
+    everything = harness.bounded()
+    first = {}
+    for e in with_t([e for b in batches for e in b]):
+        first.setdefault(e["event_id"], e)
+    oracle = bounded_windows(list(first.values()), win_of(window), key=lambda e: e["user_id"], measure=measure)
+    assert {(r.user_id, int(r.window_start.timestamp() * 1000)): int(r.events) for r in everything.main.itertuples()} \
+        == {k: v["events"] for k, v in oracle.items()}
+    later = harness.bounded(from_epoch_ms(T0 + 10 * MIN), from_epoch_ms(T0 + 15 * MIN))  # holds only the re-stamps
+    assert sorted(later.main.user_id) == ["u2"] and int(later.main.events.sum()) == 1, "only e5 counts there"

@@ -4,12 +4,10 @@ only for what changed, read only for what a batch needs.
 Three kinds of rows, each batch writing one folder ``lakestream/store/<batch>/<kind>``:
 
 * ``ids`` — remembered event ids: two 64-bit hashes of the dedup key, its event-time bucket (one
-  second; files written before 2026-11-25 have one-minute buckets, each file says which) and when
-  it is forgotten (``expires_ms = max(event time, W_in) + dedup_ttl``). A batch reads only the ids
-  in the buckets of its own events (a re-delivery has the event time of the original), so the
-  cost of deduplication follows the batch, not the number of remembered ids (with one-minute
-  buckets a live stream read up to a minute of ids per batch: 180k rows at 5k events/s); a file is
-  dropped whole once every id in it has expired.
+  second; informational) and when it is forgotten (``expires_ms = max(event time, W_in) + dedup_ttl``).
+  A batch looks its ids up whatever their event time (a re-delivery may carry another one) in an
+  in-memory index of the live files on the executors (``seen``): it costs what the batch brings, not
+  a read of every remembered id. A file is dropped whole once every id in it has expired.
 * ``pieces`` — partial aggregates of the on-time events of one batch per window (sessions: per
   merged interval). A window's value is the combination of its pieces; a batch reads the pieces of
   the windows that fire or are corrected, nothing else.
@@ -25,22 +23,22 @@ Small files are merged every ``COMPACT_EVERY`` files of a kind.
 from __future__ import annotations
 
 import itertools
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from functools import reduce
+from typing import Any, Mapping
 
 from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from ..spark.columns import as_param, one_of, once, param, select
+from ..spark.columns import as_param, once, param, select
 from ..spark.metrics import observe, observed, packed
 from .layout import Layout
 
 _WRITES = itertools.count()
 BUCKET_MS = 1_000  # event-time bucket of remembered ids
 LEGACY_BUCKET_MS = 60_000  # of files that do not say (written before buckets were a second)
-MAX_BUCKETS = 4096  # a batch spanning more seconds of event time looks its ids up in every file
 COMPACT_EVERY = 24  # merge the files of a kind once there are this many
 KINDS = ("ids", "pieces", "evals")
 
@@ -61,8 +59,13 @@ class StoreFile:
     lo: int  # ids: first bucket; pieces/evals: earliest window start (ms)
     hi: int  # ids: last bucket; pieces/evals: latest window end (ms)
     expires_ms: int  # ids: the last expiry; pieces/evals: latest window end (eviction adds the lateness)
-    buckets: tuple[int, ...] = ()  # ids: every bucket in the file (exact pruning)
+    buckets: tuple[int, ...] = ()  # ids written before 2026-11-27: every bucket in the file
     bucket_ms: int = LEGACY_BUCKET_MS  # ids: the width of its buckets
+    token: str = ""  # unique per write: a file rewritten at the same path (a replayed batch) is another file
+
+    @property
+    def identity(self) -> str:
+        return self.token or f"{self.path}#{self.batch}#{self.rows}#{self.expires_ms}"
 
     @staticmethod
     def of(data: dict) -> "StoreFile":
@@ -100,11 +103,13 @@ def bucket_of(t_ms: F.Column) -> F.Column:
 class Store:
     """Read and write one stream's store (all on Spark: files are read and written by executors)."""
 
-    def __init__(self, spark, layout: Layout, manifest: Manifest | None, schemas: dict[str, T.StructType]):
+    def __init__(self, spark, layout: Layout, manifest: Manifest | None, schemas: dict[str, T.StructType],
+                 storage_options: Mapping[str, Any] | None = None):
         self.spark = spark
         self.layout = layout
         self.manifest = manifest or Manifest()
         self.schemas = {"ids": IDS_SCHEMA, **schemas}
+        self.storage_options = dict(storage_options or {})  # (for the executors' index of the ids: fsspec)
 
     # -- reading --------------------------------------------------------------------------
     def read(self, kind: str, files: list[StoreFile]) -> DataFrame | None:
@@ -112,18 +117,9 @@ class Store:
             return None
         return self.spark.read.schema(self.schemas[kind]).parquet(*[f.path for f in files])
 
-    def ids(self, buckets: set[int] | None) -> DataFrame | None:
-        """Remembered ids whose event-time bucket is one of ``buckets`` (``BUCKET_MS`` wide; None: all)."""
-        files = self.manifest.of_kind("ids")
-        if buckets is None:
-            return self.read("ids", files)
-        frames = []
-        for width in sorted({f.bucket_ms for f in files}):
-            wanted = {b * BUCKET_MS // width for b in buckets}  # (floor(floor(t / 1 s) / 60) = floor(t / 1 min))
-            frame = self.read("ids", [f for f in files if f.bucket_ms == width and wanted.intersection(f.buckets)])
-            if frame is not None:
-                frames.append(frame.where(one_of(F.col("_b"), sorted(wanted))))
-        return reduce(DataFrame.unionAll, frames) if frames else None
+    def id_files(self) -> list[tuple[str, str]]:
+        """The live ids files: (identity, path) pairs, what ``seen.lookup`` indexes."""
+        return [(f.identity, f.path) for f in self.manifest.of_kind("ids")]
 
     def in_range(self, kind: str, lo_ms: int, hi_ms: int) -> DataFrame | None:
         """Rows of ``kind`` whose window starts in ``[lo_ms, hi_ms]``."""
@@ -172,18 +168,11 @@ class Store:
             return None
         return StoreFile(
             path=path, kind=kind, batch=batch_id, rows=int(got["rows"]), lo=int(got["lo"]), hi=int(got["hi"]),
-            expires_ms=int(got["expires"]),
-            buckets=tuple(int(b) for b in (got.get("buckets") or "").split(",") if b) if kind == "ids" else (),
-            bucket_ms=BUCKET_MS,
+            expires_ms=int(got["expires"]), bucket_ms=BUCKET_MS, token=uuid.uuid4().hex,
         )
 
 
 def _write_metrics(kind: str) -> list[F.Column]:
     lo, hi, expires = ("_b", "_b", "_expires_ms") if kind == "ids" else ("ws", "we", "we")
-    metrics = [F.count(F.lit(1)).alias("rows"), F.min(lo).alias("lo"), F.max(hi).alias("hi"),
-               F.max(expires).alias("expires")]
-    if kind == "ids":
-        # (an observed array comes back as a Java object: the buckets travel as text)
-        buckets = F.sort_array(F.collect_set(F.col("_b")))
-        metrics.append(F.array_join(F.transform(buckets, lambda b: b.cast("string")), ",").alias("buckets"))
-    return metrics
+    return [F.count(F.lit(1)).alias("rows"), F.min(lo).alias("lo"), F.max(hi).alias("hi"),
+            F.max(expires).alias("expires")]

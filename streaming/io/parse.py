@@ -1,8 +1,9 @@
 """Raw landing-zone lines -> typed events, or a quarantine reason. Never drops a line.
 
 Input frame: ``value`` (the raw line: a JSON object, or a CSV record for CSV sources), ``source_file``
-and optionally ``_problem`` (a reason found before parsing). Output: the source's fields, typed
-(see ``spark_type``), plus ``source_file``, ``_reason``
+and optionally ``_problem`` (a reason found before parsing) and ``_arrival`` (the delivery's place in the
+arrival order, see ``sources.base.arrival``). Output: the source's fields, typed
+(see ``spark_type``), plus ``source_file``, ``_arrival`` (0 when not given), ``_reason``
 (NULL for a valid record, else why it is quarantined) and ``_raw`` (the line, kept for invalid
 records only). Works on streaming and batch
 frames alike (column expressions only).
@@ -30,6 +31,8 @@ _LONG = r"^[+-]?[0-9]{1,19}$"
 _DOUBLE = r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]{1,3})?$"
 _CORRUPT = "_corrupt"
 PROBLEM = "_problem"  # raw frames may carry a reason of their own (e.g. an unreadable Parquet file)
+ARRIVAL = "_arrival"  # and the order their records arrived in (see ``sources.base.arrival``)
+LINE_COLUMNS = ("_raw", "_reason", ARRIVAL)  # the parse's columns about the line, not the event
 
 
 def spark_type(field: Field) -> T.DataType:
@@ -104,7 +107,8 @@ def _show(raw: Column) -> Column:
 def parse(raw: DataFrame, source: Source, *, barrier: bool = True) -> DataFrame:
     """``raw``'s lines parsed and checked (see the module). ``barrier=False`` for a caller that caches the
     result before filtering it (see below): without the barrier, a 50k-line batch parsed ~10% faster."""
-    first, expand, typed, last = once(("parse", source, PROBLEM in raw.columns), lambda: _build(source, raw.columns))
+    first, expand, typed, last = once(("parse", source, PROBLEM in raw.columns, ARRIVAL in raw.columns),
+                                      lambda: _build(source, raw.columns))
     parsed = select(select(raw, first), expand)
     if source.format == "csv" and source.header:  # a header line names the fields: not a record, skipped
         is_header = [F.col(f.name) == F.lit(f.name) for f in source.fields]
@@ -134,8 +138,11 @@ def _build(source: Source, columns: list[str]) -> tuple[list[Column], ...]:
     # Expand the struct once: referencing `from_json(...).field` directly makes Spark parse the
     # line again for every reference (measured: 3x slower).
     problem = F.col(PROBLEM) if PROBLEM in columns else F.lit(None).cast("string")
-    first = [F.col("value").alias("_raw"), F.col("source_file"), parsed.alias("_j"), problem.alias(PROBLEM)]
-    expand = [F.col(c) for c in ("_raw", "source_file", PROBLEM)] + [F.col("_j").isNull().alias("_null"), F.col("_j.*")]
+    arrival = F.col(ARRIVAL) if ARRIVAL in columns else F.lit(0).cast("long")
+    first = [F.col("value").alias("_raw"), F.col("source_file"), arrival.alias(ARRIVAL), parsed.alias("_j"),
+             problem.alias(PROBLEM)]
+    expand = [F.col(c) for c in ("_raw", "source_file", ARRIVAL, PROBLEM)] + [F.col("_j").isNull().alias("_null"),
+                                                                              F.col("_j.*")]
     typed = [F.col("*")] + [_typed(f, F.col(f.name)).alias(f"_typed_{f.name}") for f in source.fields if f.kind != "string"]
     checks: list[Column] = [
         F.col(PROBLEM),
@@ -152,6 +159,7 @@ def _build(source: Source, columns: list[str]) -> tuple[list[Column], ...]:
         *[(F.col(f"_typed_{f.name}") if f.kind != "string" else F.col(f.name)).alias(f.name) for f in source.fields],
         F.when(reason.isNotNull(), F.col("_raw")).alias("_raw"),  # keep the raw text only where it is needed
         F.col("source_file"),
+        F.col(ARRIVAL),
         reason.alias("_reason"),
     ]
     return first, expand, typed, last

@@ -109,10 +109,10 @@ def validate(spark, job: Job, events: DataFrame) -> None:
 
 def empty_events(spark, job: Job):
     """The typed events of the job's sources (every field, ``source``), empty: for analysis only."""
-    from .parse import parse_sources
+    from .parse import LINE_COLUMNS, parse_sources
 
     parsed = parse_sources(job, spark.createDataFrame([], RAW_SCHEMA))
-    return parsed.where(parsed["_reason"].isNull()).drop("_raw", "_reason")
+    return parsed.where(parsed["_reason"].isNull()).drop(*LINE_COLUMNS)
 
 
 def check_job(spark, job: Job) -> None:

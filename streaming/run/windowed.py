@@ -25,9 +25,10 @@ class WindowedHandler(Handler):
 
     job: WindowedJob
 
-    def __init__(self, *args, store_schemas: dict, **kwargs):
+    def __init__(self, *args, store_schemas: dict, storage_options: dict | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.store_schemas = store_schemas
+        self.storage_options = dict(storage_options or {})
         self._forced_ranges: list[tuple[int, int]] | None = None
 
     def _forced(self, spark) -> list[tuple[int, int]]:
@@ -60,7 +61,8 @@ class WindowedHandler(Handler):
         open_starts = [f.lo for f in previous.store.of_kind("pieces")] if previous is not None else []
         horizon = job.window.final_horizon_ms(w_in, job.watermark.allowed_lateness_ms, open_starts)
         forced = [r for r in self._forced(spark) if r[1] > horizon]
-        store = Store(spark, self.layout, previous.store if previous is not None else None, self.store_schemas)
+        store = Store(spark, self.layout, previous.store if previous is not None else None, self.store_schemas,
+                      self.storage_options)
         batch = plan_batch(job, raw, watermark_in_ms=w_in, store=store, batch_id=batch_id,
                            lines_before=previous.stats.lines if previous is not None else None)
         stored = quarantined = None

@@ -109,7 +109,7 @@ def _freeze_heap() -> None:
 
 
 def transformed_events(job: KeyedJob, parsed: DataFrame, *, watermark: bool = False) -> DataFrame:
-    valid = parsed.where(F.col("_reason").isNull()).drop("_raw", "_reason")
+    valid = parsed.where(F.col("_reason").isNull()).drop("_raw", "_reason", "_arrival")  # (io.parse.LINE_COLUMNS)
     if watermark:
         valid = valid.withWatermark(job.source.event_time, f"{job.watermark.out_of_orderness_ms} milliseconds")
     out = job.transform(valid)

@@ -8,8 +8,10 @@ Per batch, with ``W_in`` the watermark at its start, ``d`` the out-of-orderness 
 lateness (see ``declaration`` for the rules):
 
 1. parse the lines of every source; invalid ones become quarantine rows (per file and line text);
-2. drop repeated deliveries: within the batch, and of ids remembered from earlier batches
-   (an id is remembered until ``max(event time, W_in) + dedup_ttl <= W``);
+2. drop repeated deliveries of an id, whatever their event times: within the batch the first to arrive
+   counts (``_arrival``: its file's modification time, then its place in the file), and an id
+   remembered from earlier batches counts no more (an id is remembered until
+   ``max(event time, W_in) + dedup_ttl <= W``; looked up in the executors' index, ``checkpoint.seen``);
 3. transform the events and assign windows (a sliding-window event yields one row per window; a
    session event opens ``[t, t + gap)``); a (row, window) with ``end + L <= W_in`` is late and goes to
    the late side output with the original event; the rest become this batch's *pieces*: partial
@@ -34,12 +36,14 @@ from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, Observation
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
+from pyspark.sql.window import Window
 
 from ..checkpoint.records import BatchStats
-from ..checkpoint.store import MAX_BUCKETS, Store, bucket_of, id_hashes
+from ..checkpoint.seen import SEEN_SCHEMA, lookup
+from ..checkpoint.store import Store, bucket_of, id_hashes
 from ..declaration import WindowedJob
 from ..errors import DeclarationError
-from ..io.parse import parse_sources
+from ..io.parse import ARRIVAL, parse_sources
 from ..spark.columns import as_param, group, in_set, once, param, select
 from ..spark.jvm import cached_leaf, referenced_columns
 from ..spark.metrics import observe, observed, packed
@@ -78,7 +82,7 @@ def transform_inputs(job, schema: T.StructType) -> set[str]:
 
 
 def _bounded_columns(job: WindowedJob, parsed: DataFrame) -> list[str]:
-    engine = {"source", "source_file", "_raw", "_reason", job.source.event_time, job.source.dedup_key, *job.keys}
+    engine = {"source", "source_file", "_raw", "_reason", ARRIVAL, job.source.event_time, job.source.dedup_key, *job.keys}
     needed = transform_inputs(job, parsed.schema) | engine
     return [c for c in parsed.columns if c in needed]
 
@@ -113,7 +117,6 @@ class WindowedBatch:
     expect_large: bool = False
     _stats: BatchStats | None = None
     _min_t: int | None = None
-    _buckets: set[int] | None = field(default_factory=set)  # event-time buckets of the valid events (None: too many)
     _events: DataFrame | None = None
     _repeats: tuple[list[int], list[int], list[int]] | None | object = _UNKNOWN
     _observation: Observation | None = None
@@ -131,13 +134,15 @@ class WindowedBatch:
     # -- statistics (stream: one Spark job, which also caches the batch's lines; bounded: counted by
     #    the firing's pass, with no job of their own) ----------------------------------------
     def _valid(self) -> Column:
+        return once("valid", lambda: F.col("_reason").isNull())
+
+    def _in_range(self) -> Column:
+        """Valid and, bounded, in the range of event times the run needs (``event_range_ms``)."""
+        valid = self._valid()
         if self.event_range_ms is None:
-            return once("valid", lambda: F.col("_reason").isNull())
-        valid = F.col("_reason").isNull()
-        if self.event_range_ms is not None:
-            t_ms = F.unix_millis(self.job.source.event_time)
-            valid = valid & (t_ms >= self.event_range_ms[0]) & (t_ms < self.event_range_ms[1])
-        return valid
+            return valid
+        t_ms = F.unix_millis(self.job.source.event_time)
+        return valid & (t_ms >= self.event_range_ms[0]) & (t_ms < self.event_range_ms[1])
 
     def _stat_columns(self) -> list[Column]:
         if self.event_range_ms is None:
@@ -145,14 +150,12 @@ class WindowedBatch:
         return self._build_stat_columns()
 
     def _build_stat_columns(self) -> list[Column]:
-        job, valid = self.job, self._valid()
+        job, valid = self.job, self._in_range()
         t_ms = F.unix_millis(job.source.event_time)
         bad = [F.count(F.when(F.col("_reason").isNotNull() & (F.col("source") == s.name), 1)).alias(s.name)
                for s in job.sources]
-        buckets = F.collect_set(F.when(valid, bucket_of(t_ms)))  # (NULL when too many to list: all)
-        extra = [] if self.bounded else [F.when(F.size(buckets) <= MAX_BUCKETS, buckets).alias("_buckets")]
         return [F.count(F.lit(1)).alias("_lines"), F.count(F.when(valid, 1)).alias("_valid"),
-                F.max(F.when(valid, t_ms)).alias("_max_t"), F.min(F.when(valid, t_ms)).alias("_min_t"), *bad, *extra]
+                F.max(F.when(valid, t_ms)).alias("_max_t"), F.min(F.when(valid, t_ms)).alias("_min_t"), *bad]
 
     def _cached_lines(self) -> DataFrame:
         """Every parsed line, cached (a stream's: as the cache alone, see ``spark.jvm.cached_leaf``)."""
@@ -187,7 +190,6 @@ class WindowedBatch:
             else:
                 row = self._lines().agg(*self._stat_columns()).first()
             self.quarantined_by_source = {s.name: row[s.name] for s in job.sources}
-            self._buckets = set() if self.bounded else None if row["_buckets"] is None else set(row["_buckets"])
             self._stats = BatchStats(lines=row["_lines"], quarantined=sum(self.quarantined_by_source.values()),
                                      events=row["_valid"], max_event_time_ms=row["_max_t"],
                                      watermark_in_ms=self.watermark_in_ms)
@@ -216,30 +218,34 @@ class WindowedBatch:
                            F.lit(batch_id).cast("long").alias("batch_id"))
 
     def events(self) -> DataFrame:
-        """Valid events, each delivery once: repeated ids within the batch and ids the stream
-        remembers are dropped. See :meth:`repeats` for how repeats within a stream's batch go."""
+        """Valid events, each id once: of its deliveries in the batch the first to arrive, and none of an
+        id the stream remembers, whatever the event times. Bounded: every delivery read counts for that,
+        in the range of event times or not (the first delivery of an id decides its window); the range
+        applies after. See :meth:`repeats` for how repeats within a stream's batch go."""
         if self._events is None:
             if not self.bounded:
-                self.stats()  # the batch's id buckets, for the remembered ids
+                self.stats()
             job = self.job
             key = job.source.dedup_key
             known = self._repeats is not _UNKNOWN
             repeats = self.repeats() if not self.bounded and (known or self.stats().events > INTERPRETED_BATCH_LINES) else None
-            valid = (self._lines().where(self._valid()) if repeats is None else self._tagged()).drop("_raw", "_reason")
             added = once("event columns", lambda: [
                 F.col("*"), F.unix_millis(job.source.event_time).alias("event_time_ms"), *id_hashes(F.col(key))], job)
-            events = select(valid, added)
-            if repeats is None:
-                events = events.dropDuplicates([key])
-            else:
-                if repeats[0]:
-                    h1, h2, kept = (in_set(c, v) for c, v in zip(("_h1", "_h2", TAG), repeats))
-                    events = events.where(~(h1 & h2) | kept)
-                events = events.drop(TAG)
-            remembered = self.store.ids(self._buckets) if self.store is not None and self._buckets != set() else None
+            events = select(self._tagged(), added)
+            if repeats is None:  # the first delivery of each id: a small batch's shuffle, or the bounded run's
+                first = once("first delivery", lambda: F.row_number().over(
+                    Window.partitionBy(key).orderBy(F.col(ARRIVAL), F.col(TAG))).alias("_nth"), job)
+                events = events.select("*", first).where(F.col("_nth") == 1).drop("_nth")
+            elif repeats[0]:
+                h1, h2, kept = (in_set(c, v) for c, v in zip(("_h1", "_h2", TAG), repeats))
+                events = events.where(~(h1 & h2) | kept)
+            events = events.drop(TAG, ARRIVAL, "_raw", "_reason")
+            if self.event_range_ms is not None:
+                lo, hi = self.event_range_ms
+                events = events.where((F.col("event_time_ms") >= lo) & (F.col("event_time_ms") < hi))
+            remembered = self._remembered(events)
             if remembered is not None:
-                live = remembered.where(as_param(F.col("_expires_ms")) > param(self.watermark_in_ms)).select("_h1", "_h2")
-                events = events.join(live, ["_h1", "_h2"], "left_anti")
+                events = events.join(F.broadcast(remembered), ["_h1", "_h2"], "left_anti")
             if self.bounded:
                 # Read once, by the firing: counted on the way instead of cached (a million events cost
                 # seconds to cache, and the bounded run reads them only once more, if ever).
@@ -252,6 +258,17 @@ class WindowedBatch:
             else:
                 self._events = self.cache(events)
         return self._events
+
+    def _remembered(self, events: DataFrame) -> DataFrame | None:
+        """The batch's ids that earlier batches counted and that are not forgotten at ``W_in`` (a stream's
+        batch with a store that has ids): looked up on the executors (``checkpoint.seen``)."""
+        if self.bounded or self.store is None:
+            return None
+        files = self.store.id_files()
+        if not files:
+            return None
+        find = lookup(self.store.layout.store, files, self.watermark_in_ms, self.store.storage_options)
+        return events.select("_h1", "_h2").mapInPandas(find, SEEN_SCHEMA)
 
     def repeats(self) -> tuple[list[int], list[int], list[int]] | None:
         """A stream's ids delivered more than once in the batch: their hashes ``_h1`` and ``_h2``, and the
@@ -272,8 +289,8 @@ class WindowedBatch:
     def _find_repeats(self, lines: DataFrame) -> tuple[list[int], list[int], list[int]] | None:
         key = self.job.source.dedup_key
         columns, keys, aggregates, repeated, out = once("repeats", lambda: (
-            [F.col(TAG), *id_hashes(F.col(key))], [F.col("_h1"), F.col("_h2")],
-            [F.count(F.lit(1)).alias("_n"), F.min(TAG).alias("_kept")], F.col("_n") > 1,
+            [F.col(TAG), F.col(ARRIVAL), *id_hashes(F.col(key))], [F.col("_h1"), F.col("_h2")],
+            [F.count(F.lit(1)).alias("_n"), F.min(F.struct(ARRIVAL, TAG))[TAG].alias("_kept")], F.col("_n") > 1,
             [F.col("_h1"), F.col("_h2"), F.col("_kept")]), self.job)
         found = select(group(select(self._tagged(lines), columns), keys, aggregates).where(repeated), out)
         rows = found.limit(MAX_REPEATS + 1).collect()

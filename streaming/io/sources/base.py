@@ -1,6 +1,7 @@
 """What every source kind does. Every kind hands the parser the same frame, streaming or bounded:
 ``value`` (one record's text: a JSON object, or a CSV record), ``source_file`` (where it came from),
-``_source`` (the source's name) and ``_problem`` (a reason found before parsing, else NULL)."""
+``_source`` (the source's name), ``_problem`` (a reason found before parsing, else NULL) and
+``_arrival`` (the record's place in the order of arrival, see :func:`arrival`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,25 @@ if TYPE_CHECKING:  # (for annotations only: streaming.declaration imports this p
     from ...settings import Settings
 
 SOURCE = "_source"  # the raw frame's column naming the source of a record (jobs with several sources)
+
+
+_EPOCH_MS = 1_577_836_800_000  # 2020-01-01: arrival keys count milliseconds from here (41 bits: until 2089)
+
+
+def arrival(modified, path, block_start):
+    """A record's arrival key, one long: its file's modification time (ms), then the file (a 10-bit hash
+    of its path: files modified in the same millisecond), then the part of the file (128 MiB pieces: a
+    large file is read in splits); records of one part keep their order as read. Of two deliveries of
+    one id, the one with the smaller key arrived first (a stream lists files in modification order)."""
+    from pyspark.sql import functions as F
+
+    t = F.greatest(F.unix_millis(modified) - F.lit(_EPOCH_MS), F.lit(0)).cast("long")
+    file = F.xxhash64(path).bitwiseAND(F.lit(0x3FF))
+    part = F.least(F.shiftright(block_start, 27), F.lit(0xFFF)).cast("long")
+    return F.shiftleft(t, 22).bitwiseOR(F.shiftleft(file, 12)).bitwiseOR(part)
+
+
+NO_ARRIVAL = 0  # (sources whose records carry no arrival order: tables)
 
 
 def union(frames: list) -> DataFrame:

@@ -25,11 +25,11 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ...errors import ConfigError, DateRangeError, DeclarationError
-from ..parse import PROBLEM
-from .base import SOURCE, SourceKind
+from ..parse import ARRIVAL, PROBLEM
+from .base import SOURCE, SourceKind, arrival
 
 _BINARY_FILE = "path string, modificationTime timestamp, length long, content binary"
-_PARQUET_ROWS = "value string, source_file string, _problem string"
+_PARQUET_ROWS = "value string, source_file string, _arrival long, _problem string"
 _EXTENSIONS = {"json": "jsonl", "csv": "csv", "parquet": "parquet"}
 MAX_FILE_AGE = "36500d"  # (Spark's stream remembers every file it has read in its source log, whatever this is)
 
@@ -89,12 +89,12 @@ class Files(SourceKind):
             frame = reader.schema(_BINARY_FILE).load(folder_or_files)  # (a stream must be told the schema)
             # Only the path: the binary-file source then lists files without reading them (their bytes would
             # be one value of at most 2 GiB, read whole into one task's memory).
-            frame = frame.select(F.col("_metadata.file_path").alias("path")).mapInPandas(
+            frame = frame.select(F.col("_metadata.file_path").alias("path"), _arrival().alias(ARRIVAL)).mapInPandas(
                 _parquet_reader(dict(settings.storage_options)), _PARQUET_ROWS)
-            return frame.select("value", "source_file", F.lit(source.name).alias(SOURCE), PROBLEM)
+            return frame.select("value", "source_file", F.lit(source.name).alias(SOURCE), ARRIVAL, PROBLEM)
         frame = reader.load(folder_or_files)
         return frame.select("value", F.col("_metadata.file_path").alias("source_file"), F.lit(source.name).alias(SOURCE),
-                            F.lit(None).cast("string").alias(PROBLEM))
+                            _arrival().alias(ARRIVAL), F.lit(None).cast("string").alias(PROBLEM))
 
     # -- tests ----------------------------------------------------------------------------------
     def land(self, spark, settings, source, records: Any, name: str, *, empty: bool = False,
@@ -121,6 +121,11 @@ class Files(SourceKind):
         if mtime is not None:
             os.utime(path, (mtime, mtime))
         return [path]
+
+
+def _arrival():
+    meta = F.col("_metadata")
+    return arrival(meta["file_modification_time"], meta["file_path"], meta["file_block_start"])
 
 
 KIND = Files()
@@ -157,8 +162,10 @@ def _parquet_reader(storage_options: dict):
 
     def records(batches):
         for batch in batches:
-            for path in batch["path"]:
-                yield from _file_records(path, storage_options)
+            for path, arrived in zip(batch["path"], batch[ARRIVAL]):
+                for frame in _file_records(path, storage_options):
+                    frame.insert(2, ARRIVAL, int(arrived))
+                    yield frame
 
     return records
 

@@ -13,8 +13,8 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ...errors import ConfigError, DeclarationError
-from ..parse import PROBLEM
-from .base import SOURCE, SourceKind
+from ..parse import ARRIVAL, PROBLEM
+from .base import NO_ARRIVAL, SOURCE, SourceKind
 
 
 class IcebergTable(SourceKind):
@@ -115,7 +115,8 @@ def _records(frame: DataFrame, source) -> DataFrame:
         members.append(F.concat_ws("|", *[F.col(c).cast("string") for c in source.dedup_from if c in present])
                        .alias(source.dedup_key))
     return frame.select(F.to_json(F.struct(*members)).alias("value"), F.input_file_name().alias("source_file"),
-                        F.lit(source.name).alias(SOURCE), F.lit(None).cast("string").alias(PROBLEM))
+                        F.lit(source.name).alias(SOURCE), F.lit(NO_ARRIVAL).cast("long").alias(ARRIVAL),
+                        F.lit(None).cast("string").alias(PROBLEM))
 
 
 def _missing(value) -> bool:
