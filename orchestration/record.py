@@ -5,13 +5,14 @@ materialized, with the figures of the run, instead of "Never materialized"."""
 from __future__ import annotations
 
 import os
+import sys
 
 import dagster as dg
 
 from streaming.declaration import Job
 from streaming.time import describe_watermark, is_finite
 
-from .tables import table_key
+from .tables import STREAM_TAG, table_key
 
 
 DAGSTER_YAML = """\
@@ -24,7 +25,19 @@ DAGSTER_YAML = """\
 #         env: DAGSTER_PG_URL
 telemetry:
   enabled: false
+# One run per stream: a stream's runs carry the tag lakestream/stream (the job's name; "streams" for an
+# application of several jobs), and the run queue starts one run per value at a time. A second launch
+# of a running stream waits as Queued ("blocked by tag concurrency limits") until the first ends;
+# terminate it from the Runs page if it was a mistake. Keep this block in a deployment's dagster.yaml.
+concurrency:
+  runs:
+    tag_concurrency_limits:
+      - key: lakestream/stream
+        value:
+          applyLimitPerUniqueValue: true
+        limit: 1
 """
+
 
 
 def ensure_dagster_yaml(dagster_home: str | None = None) -> str:
@@ -38,6 +51,12 @@ def ensure_dagster_yaml(dagster_home: str | None = None) -> str:
     if not os.path.exists(path):
         with open(path, "w") as out:
             out.write(DAGSTER_YAML)
+    else:
+        with open(path) as existing:
+            if STREAM_TAG not in existing.read():
+                print(f"lakestream: {path} has no run limit on the tag {STREAM_TAG}: two runs of one stream "
+                      "can start (the second then fails on the checkpoint's lease); add the `concurrency:` block "
+                      "of docs/dagster.md", file=sys.stderr)
     _create_storage(home)
     return path
 

@@ -36,9 +36,8 @@ from streaming.time import describe_watermark, is_finite
 from streaming.io.tables import job_sinks
 
 from .resources import LakestreamResource
-from .tables import day_keys, stream_key, table_key
+from .tables import STREAM_TAG, day_keys, stream_key, table_key
 
-STREAM_TAG = "lakestream/stream"
 # The states of a run that holds (or is about to hold) its streams' checkpoints.
 ACTIVE = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
           dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
@@ -214,6 +213,27 @@ def jobs_of_run(run: dg.DagsterRun, all_jobs: list[str]) -> list[str]:
     return []
 
 
+RUNNING = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+
+
+def streaming_elsewhere(instance: dg.DagsterInstance, run_id: str, names: list[str]) -> str | None:
+    """Why run ``run_id`` must not stream ``names``: an earlier run streams one of them already (the run
+    queue keeps a second run of one stream job waiting; a job streamed alone and in an application are
+    two tag values, so that overlap is refused here, before Spark starts), or None."""
+    own = instance.get_run_record_by_id(run_id)
+    since = own.create_timestamp if own is not None else None
+    for job_name in (*[f"{n}_stream" for n in names], APP_JOB):
+        for record in instance.get_run_records(dg.RunsFilter(job_name=job_name, statuses=RUNNING), limit=20):
+            other = record.dagster_run
+            shared = [n for n in jobs_of_run(other, names) if n in names]
+            if other.run_id == run_id or not shared or (since is not None and record.create_timestamp >= since):
+                continue
+            return (f"{', '.join(shared)} already stream(s) in run {other.run_id} ({other.job_name}, "
+                    f"{other.status.value.lower()} since {record.create_timestamp:%Y-%m-%d %H:%M:%S %Z}); a stream has "
+                    "one runner: terminate that run first, or launch this one after it ends")
+    return None
+
+
 def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, from_savepoints: dict[str, str],
                  lakestream: LakestreamResource, pyspark: LazyPySparkResource, partitions_def) -> None:
     """What a stream run does, for one job or several (one query each, in one Spark application)."""
@@ -224,6 +244,9 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
     names = [job.name for job in declared]
     if context.run.tags.get(JOBS_TAG) != ",".join(names):
         context.instance.add_run_tags(context.run_id, {JOBS_TAG: ",".join(names)})
+    refused = streaming_elsewhere(context.instance, context.run_id, names)
+    if refused:
+        raise dg.Failure(description=refused, allow_retries=False)
     for name in names:
         extra = {"max_files_per_trigger": config.max_files_per_trigger} if config.max_files_per_trigger else {}
         settings = settings.with_job(name, trigger_interval=interval, **extra)

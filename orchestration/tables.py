@@ -19,6 +19,7 @@ from streaming.settings import Settings
 from .resources import LakestreamResource
 
 DAY = timedelta(days=1)
+STREAM_TAG = "lakestream/stream"  # on a stream's runs: its job (an application: "streams"); one run per value
 
 
 def table_key(table: Table | str) -> dg.AssetKey:

@@ -512,3 +512,47 @@ def test_a_fresh_dagster_home_is_created_once_before_its_processes_start(tmp_pat
 def _runs_in(home: str) -> int:
     with dg.DagsterInstance.from_config(home) as instance:
         return instance.get_runs_count()
+
+
+def test_one_run_per_stream_the_queue_limits_a_stream_tag_and_an_overlap_is_refused_in_one_line(tmp_path, capsys):
+    """The written dagster.yaml limits each `lakestream/stream` value to one run (the e2e test launches a
+    stream twice against it); a job streamed alone while an earlier application run streams it is refused
+    before Spark starts, naming that run; the earlier run is never the one refused; an old dagster.yaml
+    without the block is pointed out."""
+    from dagster._core.storage.dagster_run import DagsterRun, DagsterRunStatus
+
+    from orchestration.record import ensure_dagster_yaml
+    from orchestration.streams import APP_JOB, JOBS_TAG, streaming_elsewhere
+    from orchestration.tables import STREAM_TAG
+
+    home = tmp_path / "dagster"
+    ensure_dagster_yaml(str(home))
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        limits = instance.get_concurrency_config().run_queue_config.tag_concurrency_limits
+        assert limits == [{"key": STREAM_TAG, "value": {"applyLimitPerUniqueValue": True}, "limit": 1}], limits
+        app = DagsterRun(job_name=APP_JOB, run_id="a" * 36, status=DagsterRunStatus.STARTED,
+                         tags={STREAM_TAG: APP_JOB, JOBS_TAG: "purchase_metrics,decline_velocity"})
+        instance.add_run(app)
+        time.sleep(0.01)
+        alone = DagsterRun(job_name="purchase_metrics_stream", run_id="b" * 36, status=DagsterRunStatus.STARTING,
+                           tags={STREAM_TAG: "purchase_metrics", JOBS_TAG: "purchase_metrics"})
+        instance.add_run(alone)
+        other = DagsterRun(job_name="user_sessions_stream", run_id="c" * 36, status=DagsterRunStatus.STARTING,
+                           tags={STREAM_TAG: "user_sessions", JOBS_TAG: "user_sessions"})
+        instance.add_run(other)
+        refused = streaming_elsewhere(instance, alone.run_id, ["purchase_metrics"])
+        assert refused is not None and "\n" not in refused
+        assert refused.startswith(f"purchase_metrics already stream(s) in run {app.run_id} ({APP_JOB}, started since")
+        assert "terminate that run first" in refused
+        assert streaming_elsewhere(instance, app.run_id, ["purchase_metrics", "decline_velocity"]) is None  # the earlier runs on
+        assert streaming_elsewhere(instance, other.run_id, ["user_sessions"]) is None  # no overlap
+        instance.report_run_canceled(instance.get_run_by_id(app.run_id))
+        assert streaming_elsewhere(instance, alone.run_id, ["purchase_metrics"]) is None  # the application ended
+
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    capsys.readouterr()
+    ensure_dagster_yaml(str(old))
+    warning = capsys.readouterr().err
+    assert warning.count("\n") == 1 and "lakestream/stream" in warning and "docs/dagster.md" in warning

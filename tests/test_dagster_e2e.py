@@ -126,6 +126,16 @@ class Servers:
             time.sleep(1)
         raise AssertionError(f"run {run_id} still {status} after {timeout}s; its last events:\n{self.run_log(run_id)}")
 
+    def launch_stream(self, config: dict) -> dict:
+        """Launch purchase_metrics_stream with the op's ``config``, as the launchpad does; the answer."""
+        return self.gql(
+            "mutation($p: ExecutionParams!) { launchRun(executionParams: $p) { __typename "
+            "... on LaunchRunSuccess { run { runId } } ... on PythonError { message } "
+            "... on RunConfigValidationInvalid { errors { message } } } }",
+            {"p": {"selector": {"repositoryLocationName": LOCATION, "repositoryName": "__repository__",
+                                "jobName": "purchase_metrics_stream"},
+                   "runConfigData": {"ops": {"purchase_metrics": {"config": config}}}}})["launchRun"]
+
     def run_log(self, run_id: str, last: int = 30) -> str:
         events = self.gql("query($id: ID!) { logsForRun(runId: $id) { ... on EventConnection { events { "
                           "__typename ... on MessageEvent { message timestamp } } } } }", {"id": run_id})
@@ -176,12 +186,7 @@ def test_the_instance_config_the_mode_choice_and_a_run_outside_dagster(servers):
     assert "dagster.yaml" in os.listdir(servers.dagster_home)
     assert "No dagster instance configuration file" not in (servers.root / "webserver.log").read_text()
     # mode is a choice: a typo is refused by the launchpad's validation, before any run starts
-    refused = servers.gql(
-        "mutation($p: ExecutionParams!) { launchRun(executionParams: $p) { __typename "
-        "... on RunConfigValidationInvalid { errors { message } } } }",
-        {"p": {"selector": {"repositoryLocationName": LOCATION, "repositoryName": "__repository__",
-                            "jobName": "purchase_metrics_stream"},
-               "runConfigData": {"ops": {"purchase_metrics": {"config": {"mode": "continous"}}}}}})["launchRun"]
+    refused = servers.launch_stream({"mode": "continous"})
     assert refused["__typename"] == "RunConfigValidationInvalid", refused
     # a run from a shell (`make demo`) recorded in this instance shows on the table in the UI's API
     env = {**os.environ, "DAGSTER_HOME": str(servers.dagster_home), "LAKESTREAM_HOME": str(servers.lake)}
@@ -195,14 +200,7 @@ def test_the_instance_config_the_mode_choice_and_a_run_outside_dagster(servers):
 
 
 def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partition(servers):
-    launched = servers.gql(
-        "mutation($p: ExecutionParams!) { launchRun(executionParams: $p) { __typename "
-        "... on LaunchRunSuccess { run { runId } } ... on PythonError { message } "
-        "... on RunConfigValidationInvalid { errors { message } } } }",
-        {"p": {"selector": {"repositoryLocationName": LOCATION, "repositoryName": "__repository__",
-                            "jobName": "purchase_metrics_stream"},
-               "runConfigData": {"ops": {"purchase_metrics": {"config": {
-                   "mode": "continuous", "trigger_interval": "1s", "materialize_every": "0s"}}}}}})["launchRun"]
+    launched = servers.launch_stream({"mode": "continuous", "trigger_interval": "1s", "materialize_every": "0s"})
     assert launched["__typename"] == "LaunchRunSuccess", launched
     run_id = launched["run"]["runId"]
 
@@ -214,6 +212,19 @@ def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partitio
     assert len(seen) >= 2, (servers.root / "daemon.log").read_text()[-2000:]
     assert seen[0]["partition"] == DAY
     assert {"rows_written", "watermark_lag_s", "batch_seconds"} <= {e["label"] for e in seen[0]["metadataEntries"]}
+
+    # A second launch of the running stream waits in the queue (the tag's limit in `make ui`'s dagster.yaml)
+    again = servers.launch_stream({"mode": "continuous"})
+    assert again["__typename"] == "LaunchRunSuccess", again
+    second = again["run"]["runId"]
+    for _ in range(8):  # the daemon dequeues every few seconds: it stays queued tick after tick
+        time.sleep(2)
+        state = servers.gql("query($id: ID!) { runOrError(runId: $id) { ... on Run { status tags { key value } } } }",
+                            {"id": second})["runOrError"]
+        assert state["status"] == "QUEUED", (state, servers.run_log(second))
+    assert {"key": "lakestream/stream", "value": "purchase_metrics"} in state["tags"]
+    servers.gql("mutation($id: String!) { terminateRun(runId: $id) { __typename } }", {"id": second})
+    assert servers.wait_run(second, timeout=60) == "CANCELED"
 
     terminated = servers.gql("mutation($id: String!) { terminateRun(runId: $id, terminatePolicy: SAFE_TERMINATE) "
                              "{ __typename } }", {"id": run_id})["terminateRun"]
