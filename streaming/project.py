@@ -33,7 +33,7 @@ from types import ModuleType
 from typing import Mapping
 
 from .declaration import Job, KeyedJob, Source, Watermark, WindowedJob
-from .errors import ProjectError, UnknownJobError
+from .errors import ConfigError, ProjectError, UnknownJobError
 from .io.sources import kind_of
 
 BUILTIN = "streaming.jobs"
@@ -70,9 +70,16 @@ def registry(settings=None) -> dict[str, Job]:
     Resolve a job once (a command, a Dagster definitions load) and pass the object on."""
     from dataclasses import replace
 
-    jobs = dict(current(settings).jobs)
+    project = current(settings)
+    jobs = dict(project.jobs)
     if settings is None:
         return jobs
+    unknown = sorted(set(settings.jobs) - set(jobs))
+    if unknown:  # a misspelled job's settings would apply to nothing, silently
+        where = f"{settings.config_file}: " if settings.config_file else ""
+        what = f"{unknown[0]} is not a job" if len(unknown) == 1 else f"{', '.join(unknown)} are not jobs"
+        raise ConfigError(f"{where}jobs: {what} of project {project.name}; its jobs are {', '.join(sorted(jobs))} "
+                          "(fix the name, or remove the block)")
 
     def given(value, default):  # an override of zero is an override: never `value or default`
         return default if value is None else value

@@ -71,6 +71,18 @@ def test_bad_settings_file_names_the_key(tmp_path):
     assert_one_line_error(lakestream("run", "purchase_metrics", home=str(tmp_path)), "spark.shuffle_partitions")
 
 
+def test_a_misspelled_job_in_the_settings_is_refused_with_the_known_jobs(tmp_path):
+    """Settings for a job the project does not have would apply to nothing, silently: refused in one line
+    by every command that resolves jobs (the lake's folders are not even created)."""
+    (tmp_path / "lakestream.yaml").write_text("jobs:\n  purchase_metric: {max_files_per_trigger: 2}\n")
+    for args in (("jobs",), ("run", "decline_velocity")):
+        result = lakestream(*args, home=str(tmp_path))
+        assert_one_line_error(result, f"{tmp_path / 'lakestream.yaml'}: jobs: purchase_metric is not a job of project ")
+        assert "its jobs are decline_velocity, " in result.stderr and "purchase_metrics" in result.stderr
+        assert "fix the name, or remove the block" in result.stderr
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_unknown_option_is_one_line():
     assert_one_line_error(lakestream("run", "purchase_metrics", "--fast"), "unrecognized arguments: --fast")
 
