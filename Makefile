@@ -23,11 +23,16 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/lakestream demo
 
+# Two test processes, each with its own Spark, a file each at a time: the suite waits on processes
+# (JVM starts, subprocess runs, Dagster's daemon) more than it computes. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: install
-	$(BIN)/python -m pytest -q
+	$(PYTEST) --durations=25
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 ui: install
 	@$(BIN)/python -c "from orchestration.record import ensure_dagster_yaml; ensure_dagster_yaml()"
