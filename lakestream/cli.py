@@ -355,7 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--from-savepoint", metavar="ID", help="restore the checkpoint and roll the tables back to this savepoint first")
     run.set_defaults(fn=cmd_run)
 
-    bf = sub.add_parser("backfill", help="run a job's bounded twin over [start, end) and replace that range")
+    ranges = ("[start, end) selects rows by their time column: a windowed job's windows that START in it (each "
+              "computed from all its events, those before start included), a keyed job's outputs by its time_column")
+    bf = sub.add_parser("backfill", help="run a job's bounded twin over [start, end) and replace that range",
+                        description=ranges)
     bf.add_argument("job")
     bf.add_argument("--start", required=True, help="inclusive, e.g. 2026-11-20 or 2026-11-20T13:00Z")
     bf.add_argument("--end", required=True, help="exclusive")
@@ -366,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     bf.set_defaults(fn=cmd_backfill)
 
     rc = sub.add_parser("reconcile", help="compare what the stream wrote over [start, end) with a bounded "
-                        "recomputation; exit 1 when a difference is unexplained")
+                        "recomputation; exit 1 when a difference is unexplained", description=ranges)
     rc.add_argument("job")
     rc.add_argument("--start", required=True, help="inclusive, e.g. 2026-11-20")
     rc.add_argument("--end", required=True, help="exclusive")
