@@ -10,24 +10,29 @@
   savepoint) is followed at once; after a failed run the restart waits ``2**(n-1) x 30 s`` for the
   n-th consecutive failure and gives up after ``MAX_ATTEMPTS``. Every restart carries its reason
   and attempt in the run's tags and is reported as the table's ``stream_supervisor`` check. A run
-  terminated from the UI is a request to stop: it is not restarted.
+  terminated from the UI is a request to stop: it is not restarted. A run Dagster still calls started
+  whose process is gone (a killed pod, a rebooted machine: nobody left to report it) is marked failed
+  with the reason, then restarted as a crash (``dead_run``).
 """
 
 
 import json
+import socket
 import time
 
 import dagster as dg
 
 from streaming.checkpoint.inspect import inspect_job
+from streaming.checkpoint.lease import Lease, process_alive
 from streaming.declaration import Job
 
 from .checks import health_evaluation
 from .resources import LakestreamResource
-from .streams import ACTIVE, APP_JOB, APP_OP, JOBS_TAG, DesiredState, jobs_of_run
+from .streams import ACTIVE, APP_JOB, APP_OP, JOBS_TAG, PROCESS_TAG, DesiredState, jobs_of_run
 from .tables import landing_key, landing_observation, landing_sources, stream_key
 
 MAX_ATTEMPTS = 5
+DEAD_AFTER_S = 30  # a started run whose process is gone and that logged nothing this long is failed
 BACKOFF_S = 30.0
 REPORT_EVERY_S = 600
 
@@ -74,14 +79,16 @@ def supervisor_sensor(jobs: list[Job], stream_jobs: list[dg.JobDefinition]) -> d
     @dg.sensor(name="stream_supervisor", minimum_interval_seconds=30, jobs=stream_jobs,
                default_status=dg.DefaultSensorStatus.RUNNING,
                description="Restart streams that should be running and are not (exponential backoff).")
-    def stream_supervisor(context: dg.SensorEvaluationContext):
+    def stream_supervisor(context: dg.SensorEvaluationContext, lakestream: LakestreamResource):
+        settings = lakestream.settings()
         requests = []
         covered: set[str] = set()  # jobs an application restart of this tick already covers
         names = [j.name for j in jobs]
         for job in jobs:
             if job.name in covered:
                 continue
-            request = supervise(context.instance, job, all_jobs=names)
+            lease = Lease(settings.checkpoint_dir(job.name), settings.storage_options, job=job.name)
+            request = supervise(context.instance, job, all_jobs=names, lease=lease)
             if request is not None:
                 requests.append(request)
                 covered.update(request.tags.get(JOBS_TAG, job.name).split(","))
@@ -99,12 +106,45 @@ def _stream_runs(instance: dg.DagsterInstance, job: str, all_jobs: list[str], st
     return sorted(records, key=lambda r: r.create_timestamp, reverse=True)[:limit]
 
 
+def dead_run(instance: dg.DagsterInstance, record, lease: Lease | None = None, now: float | None = None) -> str | None:
+    """Why a started stream run is dead although Dagster says it runs (its pod was killed, the machine
+    rebooted: nothing was left to report the failure), or None. Its process (``PROCESS_TAG``) is gone:
+    on this host, by its pid and start time; on another, when the checkpoint's lease it holds was not
+    renewed for the lease's ttl. And the run logged nothing for ``DEAD_AFTER_S`` (a run whose stream
+    just ended cleanly reports its own end within that)."""
+    now = time.time() if now is None else now
+    tag = record.dagster_run.tags.get(PROCESS_TAG, "")
+    host, _, rest = tag.partition(":")
+    pid, _, started = rest.partition(":")
+    if not pid.isdigit():
+        return None  # (not yet streaming, or a run of an earlier lakestream)
+    if host == socket.gethostname():
+        if process_alive(int(pid), started or None):
+            return None
+        why = f"its process (pid {pid} on {host}) is gone"
+    else:
+        holder = lease.current() if lease is not None else None
+        if holder is None or (holder.host, str(holder.pid)) != (host, pid) or holder.alive(int(now * 1000)):
+            return None
+        why = f"its process (pid {pid} on {host}) last renewed the checkpoint's lease {now - holder.renewed_ms / 1000:.0f} s ago"
+    events = instance.get_records_for_run(record.dagster_run.run_id, limit=1, ascending=False).records
+    last = events[0].timestamp if events else record.update_timestamp.timestamp()
+    if now - last < DEAD_AFTER_S:
+        return None
+    return f"{why} and the run logged nothing for {now - last:.0f} s: marked failed by the stream supervisor"
+
+
 def supervise(instance: dg.DagsterInstance, job: Job, now: float | None = None,
-              all_jobs: list[str] | None = None) -> dg.RunRequest | None:
+              all_jobs: list[str] | None = None, lease: Lease | None = None) -> dg.RunRequest | None:
     """The run request that restarts ``job``'s stream (or the application it ran in), if it should
-    be running and is not."""
+    be running and is not. A started run whose process is gone (:func:`dead_run`) is marked failed
+    first, so it is restarted as a crash."""
     now = time.time() if now is None else now
     all_jobs = all_jobs or [job.name]
+    for record in _stream_runs(instance, job.name, all_jobs, statuses=[dg.DagsterRunStatus.STARTED], limit=5):
+        why = dead_run(instance, record, lease, now)
+        if why:
+            instance.report_run_failed(record.dagster_run, message=why)
     desired = DesiredState(instance, job.name)
     wanted = desired.get()
     if wanted.get("state") != "running":

@@ -20,7 +20,9 @@ crashes leaves *running* behind, and the supervisor restarts it (an application 
 
 import enum
 import json
+import os
 import queue
+import socket
 import threading
 import time
 
@@ -28,6 +30,7 @@ import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 from pydantic import Field
 
+from streaming.checkpoint.lease import pid_start_of
 from streaming.declaration import Job
 from streaming.time import parse_duration
 from streaming.run.commit import BatchResult
@@ -214,6 +217,13 @@ def jobs_of_run(run: dg.DagsterRun, all_jobs: list[str]) -> list[str]:
 
 
 RUNNING = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+PROCESS_TAG = "lakestream/process"  # host:pid:start of the process that streams (see ``sensors.dead_run``)
+
+
+def process_tags() -> dict[str, str]:
+    """The tag that names this process: its host, pid and start time (so a reused pid is not taken for it)."""
+    pid = os.getpid()
+    return {PROCESS_TAG: f"{socket.gethostname()}:{pid}:{pid_start_of(pid) or ''}"}
 
 
 def streaming_elsewhere(instance: dg.DagsterInstance, run_id: str, names: list[str]) -> str | None:
@@ -247,6 +257,7 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
     refused = streaming_elsewhere(context.instance, context.run_id, names)
     if refused:
         raise dg.Failure(description=refused, allow_retries=False)
+    context.instance.add_run_tags(context.run_id, process_tags())  # (the supervisor notices when it is gone)
     for name in names:
         extra = {"max_files_per_trigger": config.max_files_per_trigger} if config.max_files_per_trigger else {}
         settings = settings.with_job(name, trigger_interval=interval, **extra)

@@ -556,3 +556,65 @@ def test_one_run_per_stream_the_queue_limits_a_stream_tag_and_an_overlap_is_refu
     ensure_dagster_yaml(str(old))
     warning = capsys.readouterr().err
     assert warning.count("\n") == 1 and "lakestream/stream" in warning and "docs/dagster.md" in warning
+
+
+def test_a_stream_run_whose_process_is_gone_is_failed_and_restarted_by_the_supervisor(tmp_path):
+    """A killed pod or a rebooted machine leaves the run Started with nobody to report its end: the supervisor
+    marks it failed, naming why, once its process is gone (this host: pid and start time; another host: the
+    checkpoint's lease not renewed) and it logged nothing for a while; then restarts it as a crash."""
+    import json
+    import socket
+    import subprocess
+
+    from dagster._core.storage.dagster_run import DagsterRun, DagsterRunStatus
+
+    from orchestration.sensors import DEAD_AFTER_S
+    from orchestration.streams import PROCESS_TAG, process_tags
+    from streaming.checkpoint.lease import Lease, control_dir
+    from streaming.project import get_job
+
+    job = get_job("purchase_metrics")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    lease = Lease(str(tmp_path / "checkpoints" / job.name), job=job.name)
+    with dg.instance_for_test() as instance:
+        DesiredState(instance, job.name).set("running", trigger_interval="1s")
+
+        def started(run_id: str, process: str) -> DagsterRun:
+            run = DagsterRun(job_name="purchase_metrics_stream", run_id=run_id, status=DagsterRunStatus.STARTED,
+                             tags={"lakestream/jobs": job.name, PROCESS_TAG: process})
+            instance.add_run(run)
+            return run
+
+        alive = started("a" * 36, process_tags()[PROCESS_TAG])  # this very process: alive
+        later = time.time() + DEAD_AFTER_S + 1
+        assert supervise(instance, job, now=later, lease=lease) is None  # a run is active
+        assert instance.get_run_by_id(alive.run_id).status == DagsterRunStatus.STARTED
+        instance.report_run_canceled(instance.get_run_by_id(alive.run_id))
+        DesiredState(instance, job.name).set("running", trigger_interval="1s")
+
+        dead = started("b" * 36, f"{socket.gethostname()}:{gone.pid}:")
+        assert supervise(instance, job, now=time.time(), lease=lease) is None  # gone, but it logged just now
+        assert instance.get_run_by_id(dead.run_id).status == DagsterRunStatus.STARTED
+        restart = supervise(instance, job, now=later + 30, lease=lease)
+        failed = instance.get_run_by_id(dead.run_id)
+        assert failed.status == DagsterRunStatus.FAILURE
+        message = [e.message for e in instance.all_logs(dead.run_id) if e.dagster_event and
+                   e.dagster_event.event_type_value == "PIPELINE_FAILURE"][0]
+        assert f"its process (pid {gone.pid} on {socket.gethostname()}) is gone" in message
+        assert restart is not None and restart.tags["lakestream/restart-of"] == dead.run_id
+        assert restart.tags["lakestream/restart-reason"] == "crashed"
+
+        # another host: judged by the lease it holds (renewed within its ttl: alive; not since: dead)
+        folder = Path(control_dir(lease.checkpoint))
+        folder.mkdir(parents=True)
+        now_ms = int(time.time() * 1000)
+        holder = {"generation": 1, "host": "pod-7", "pid": 41, "purpose": "stream", "since_ms": now_ms - 600_000,
+                  "renewed_ms": now_ms - 5_000, "ttl_ms": 60_000}
+        (folder / "lease-000000000001.json").write_text(json.dumps(holder))
+        remote = started("c" * 36, "pod-7:41:99")
+        assert supervise(instance, job, now=later, lease=lease) is None
+        assert instance.get_run_by_id(remote.run_id).status == DagsterRunStatus.STARTED
+        (folder / "lease-000000000001.json").write_text(json.dumps({**holder, "renewed_ms": now_ms - 120_000}))
+        supervise(instance, job, now=later, lease=lease)
+        assert instance.get_run_by_id(remote.run_id).status == DagsterRunStatus.FAILURE

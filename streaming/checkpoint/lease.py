@@ -42,7 +42,7 @@ def control_dir(checkpoint: str) -> str:
     return checkpoint.rstrip("/") + ".control"
 
 
-def _pid_start(pid: int) -> str | None:
+def pid_start_of(pid: int) -> str | None:
     """When process ``pid`` started (Linux: clock ticks since boot), to tell it from a later process that
     reuses its pid; None where that cannot be read."""
     try:
@@ -52,7 +52,7 @@ def _pid_start(pid: int) -> str | None:
         return None
 
 
-def _process_alive(pid: int, started: str | None) -> bool:
+def process_alive(pid: int, started: str | None) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -61,7 +61,7 @@ def _process_alive(pid: int, started: str | None) -> bool:
         pass  # alive, owned by someone else
     except (OverflowError, ValueError):
         return False
-    return started is None or _pid_start(pid) in (None, started)
+    return started is None or pid_start_of(pid) in (None, started)
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Holder:
     def alive(self, now_ms: int | None = None) -> bool:
         """On this host: its process still runs; elsewhere: it renewed within its ttl."""
         if self.host == socket.gethostname():
-            return _process_alive(self.pid, self.pid_start)
+            return process_alive(self.pid, self.pid_start)
         now = int(time.time() * 1000) if now_ms is None else now_ms
         return now - self.renewed_ms <= self.ttl_ms
 
@@ -148,7 +148,7 @@ class Lease:
                     "batch) or wait for it to end")
             now = int(time.time() * 1000)
             mine = Holder(generation=top + 1, host=socket.gethostname(), pid=os.getpid(), purpose=purpose,
-                          since_ms=now, renewed_ms=now, ttl_ms=self.ttl_ms, pid_start=_pid_start(os.getpid()),
+                          since_ms=now, renewed_ms=now, ttl_ms=self.ttl_ms, pid_start=pid_start_of(os.getpid()),
                           query_id=query_id)
             if self.tree.create(f"lease-{mine.generation:012d}.json", json.dumps(asdict(mine)).encode()):
                 self.mine = mine
@@ -252,6 +252,6 @@ def legacy_marker(tree: Tree) -> dict | None:
     if not isinstance(info, dict) or info.get("host") != socket.gethostname():
         return None
     try:
-        return info if _process_alive(int(info["pid"]), None) else None
+        return info if process_alive(int(info["pid"]), None) else None
     except (KeyError, TypeError, ValueError):
         return None
