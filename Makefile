@@ -23,10 +23,10 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/lakestream demo
 
-# Two test processes, each with its own Spark, a file each at a time: the suite waits on processes
-# (JVM starts, subprocess runs, Dagster's daemon) more than it computes. TEST_WORKERS=0: one process.
+# Two test processes, each with its own Spark, a file each at a time, the longest files first
+# (tests/conftest.py). TEST_WORKERS=0: one process (52 min on 2 cores on 2026-11-26).
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+PYTEST := $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: install
 	$(PYTEST) --durations=25

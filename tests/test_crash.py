@@ -100,7 +100,7 @@ def test_sigkill_at_random_moments_never_duplicates_or_loses_a_row(spark, wareho
     pause_dir = tmp_path / "pauses"
     kills = []
     try:
-        for n in range(12):
+        for n in range(10):  # five at a random moment, one at each pause point
             point = POINTS[n // 2 % len(POINTS)] if n % 2 else None
             proc = _child(home, point, pause_dir)
             if point is None:
@@ -124,8 +124,8 @@ def test_sigkill_at_random_moments_never_duplicates_or_loses_a_row(spark, wareho
     assert final.wait(timeout=600) == 0, (home / "child.log").read_text()[-3000:]
 
     print("kills:", kills)
-    assert len(kills) >= 10
-    assert sum(1 for k in kills if "not reached" not in k and k != "random") >= 4, kills
+    assert len(kills) == 10
+    assert sum(1 for k in kills if "not reached" not in k and k != "random") >= 3, kills
     truth = oracle.replay_stream([oracle.read_lines(p) for p in oracle.files_in_arrival_order(landing)])
     windows, late, quarantine = _tables(spark, fmt, home, warehouse)
     assert windows == truth.closed  # _tables fails on a duplicate window

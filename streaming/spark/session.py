@@ -126,7 +126,7 @@ def spark_conf(settings: Settings) -> dict[str, str]:
         "spark.sql.adaptive.optimizer.excludedRules": "org.apache.spark.sql.execution.adaptive.AQEPropagateEmptyRelation",
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
-        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{LOG4J_CONFIG}",
+        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{LOG4J_CONFIG} {settings.jvm_options}".strip(),
         # Streams commit through a cloned session: a cached table in another session would be stale.
         "spark.sql.catalog.lake.cache-enabled": "false",
         "spark.sql.sources.partitionOverwriteMode": "dynamic",
@@ -160,6 +160,8 @@ def spark_conf(settings: Settings) -> dict[str, str]:
         conf["spark.jars.packages"] = ice.packages
     if settings.spark_master.startswith("local"):
         conf.setdefault("spark.driver.memory", "4g")
+    elif settings.jvm_options:
+        conf["spark.executor.extraJavaOptions"] = settings.jvm_options
     conf.update(settings.spark_conf)
     classes = localfs.classes_dir(settings) if settings.spark_master.startswith("local") else None
     if classes:  # (a local master's executors share the driver's class path)
