@@ -151,7 +151,10 @@ def supervise(instance: dg.DagsterInstance, job: Job, now: float | None = None,
         return None
     if _stream_runs(instance, job.name, all_jobs, statuses=ACTIVE, limit=5):
         return None
-    records = _stream_runs(instance, job.name, all_jobs)
+    # A run canceled before it started (a second launch, terminated while it waited in the queue) asked
+    # nothing of the stream: only a run that ran and was terminated is a request to stop.
+    records = [r for r in _stream_runs(instance, job.name, all_jobs)
+               if not (r.dagster_run.status == dg.DagsterRunStatus.CANCELED and r.start_time is None)]
     last = records[0] if records else None
     if last is not None and last.dagster_run.status == dg.DagsterRunStatus.CANCELED:
         desired.set("stopped", reason="terminated", run_id=last.dagster_run.run_id)  # a stop request, not a crash

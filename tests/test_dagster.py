@@ -618,3 +618,20 @@ def test_a_stream_run_whose_process_is_gone_is_failed_and_restarted_by_the_super
         (folder / "lease-000000000001.json").write_text(json.dumps({**holder, "renewed_ms": now_ms - 120_000}))
         supervise(instance, job, now=later, lease=lease)
         assert instance.get_run_by_id(remote.run_id).status == DagsterRunStatus.FAILURE
+
+
+def test_a_second_launch_canceled_while_it_waited_in_the_queue_does_not_stop_the_stream():
+    """Terminating a duplicate launch that the run queue held back is not a request to stop the stream (a run
+    that ran and was terminated is): the supervisor keeps the stream running."""
+    from dagster._core.storage.dagster_run import DagsterRun, DagsterRunStatus
+
+    from streaming.project import get_job
+
+    job = get_job("purchase_metrics")
+    with dg.instance_for_test() as instance:
+        DesiredState(instance, job.name).set("running", trigger_interval="1s")
+        instance.add_run(DagsterRun(job_name="purchase_metrics_stream", run_id="d" * 36, status=DagsterRunStatus.CANCELED,
+                                    tags={"lakestream/jobs": job.name}))
+        request = supervise(instance, job)
+        assert request is not None and request.tags["lakestream/restart-reason"] == "ended"
+        assert DesiredState(instance, job.name).get()["state"] == "running"
