@@ -151,7 +151,7 @@ def test_the_streams_job_runs_several_jobs_in_one_application_and_is_supervised_
         for n in names:
             DesiredState(instance, n).set("running", trigger_interval="1s", application=names, run_id=result.run_id)
         sensor = defs.resolve_sensor_def("stream_supervisor")
-        requests = sensor(dg.build_sensor_context(instance=instance, definitions=defs))
+        requests = sensor(dg.build_sensor_context(instance=instance, definitions=defs, resources=defs.resources))
         assert len(requests) == 1 and requests[0].job_name == "streams", requests
         restart = requests[0].run_config["ops"]["run_streams"]["config"]
         assert restart["jobs"] == names and restart["mode"] == "continuous"
