@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export LAKESTREAM_HOME ?= $(CURDIR)/.lake
 export DAGSTER_HOME    ?= $(LAKESTREAM_HOME)/dagster
 
-.PHONY: install demo test test-fast ui bench bench-batch bench-backfill clean
+.PHONY: install demo test test-fast ui bench bench-warm bench-batch bench-backfill clean
 
 install: $(STAMP)
 
@@ -38,7 +38,13 @@ ui: install
 	@$(BIN)/python -c "from orchestration.record import ensure_dagster_yaml; ensure_dagster_yaml()"
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
+# lakestream as users run it (whole processes, defaults, real disorder) against the plain-Spark peer:
+# bench/users.py. BENCH_ARGS="--only stream,latency --runs 3" picks sections.
 bench: install
+	$(BIN)/python bench/users.py $(BENCH_ARGS)
+
+# the older in-process bench (one warm JVM; its flat-state section measures a batch after 2M remembered ids)
+bench-warm: install
 	$(BIN)/python bench/lean.py $(BENCH_ARGS)
 
 bench-batch: install

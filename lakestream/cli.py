@@ -190,6 +190,9 @@ def cmd_run(args) -> int:
             f"{s.quarantined:,} quarantined, {s.rows_written:,} rows written to {job.sink.name}; "
             f"watermark {describe_watermark(report.totals.watermark_out_ms if report.totals else None)}"
         )
+        if report.step_seconds:  # where the batches' time went (inside foreachBatch, summed over the run)
+            print(f"{job.name}: time per step: "
+                  + ", ".join(f"{step} {seconds:.1f}s" for step, seconds in report.step_seconds.items()))
     return 0
 
 

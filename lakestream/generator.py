@@ -139,20 +139,24 @@ def _simulate(cfg: GeneratorConfig, source: str, rate: float, chunk: int = 0,
     dup_arrival = arrival[dup] + rng.integers(0, 30_000, dup.size)
     m = int(round(n * cfg.malformed_fraction))
     bad_arrival = start_ms + rng.integers(0, max(1, dur_ms), m)
-    bad_lines = [_malformed(k, lines[int(rng.integers(0, n))] if n else "{}", prefix) for k in range(m)]
+    bad_when = _iso(bad_arrival - rng.integers(0, max(1, to_ms(cfg.out_of_orderness)), m))
+    bad_lines = [_malformed(k, lines[int(rng.integers(0, n))] if n else "{}", prefix, str(bad_when[k])) for k in range(m)]
     report = SourceReport(source=source, events=n, duplicates=int(dup.size), malformed=m, late=int(late.sum()))
     all_arrival = np.concatenate([arrival, dup_arrival, bad_arrival])
     return all_arrival, lines + [lines[i] for i in dup] + bad_lines, report
 
 
-def _malformed(k: int, template: str, prefix: str) -> str:
-    """The k-th broken line: alternately invalid JSON and schema violations of a real record."""
+def _malformed(k: int, template: str, prefix: str, when: str) -> str:
+    """The k-th broken line: alternately invalid JSON and schema violations of a real record, stamped with an
+    event time ``when`` near its arrival (a broken record arrives when its event happens, like any other: a
+    template's own time, from anywhere in the run, would put a valid event time an hour ahead into the input)."""
     kind = k % 8
     if kind < 4:
         text = _MALFORMED_JSON[kind].replace("{i}", f"{prefix}-{k}")
         return text if text else f"   #{prefix}-{k}"
     record = json.loads(template)
     record["event_id"] = f"{prefix}-bad-{k:06d}"
+    record["event_time"] = when
     if kind == 4:
         record.pop("user_id", None)
     elif kind == 5:

@@ -187,8 +187,8 @@ project: .                  # this folder: its sources.py and jobs/
 # landing: /data/landing    # where the sources' folders are (default: $LAKESTREAM_HOME/landing)
 # format: delta             # table format (default: iceberg)
 jobs:
-  {job}:
-    trigger_interval: 5s
+  {job}: {{}}               # per job, e.g. out_of_orderness: 10s, or trigger_interval: 5s (default: a batch
+                            # as soon as input arrives; an interval trades latency for fewer, larger batches)
 '''
 
 README = '''# {name}

@@ -177,7 +177,7 @@ def supervise(instance: dg.DagsterInstance, job: Job, now: float | None = None,
         if now - ended < wait:
             return None
     previous = last.dagster_run.run_id if last else "none"
-    config = {"mode": "continuous", "trigger_interval": wanted.get("trigger_interval", "5s"),
+    config = {"mode": "continuous", "trigger_interval": wanted.get("trigger_interval", ""),
               "materialize_every": wanted.get("materialize_every", "10s"),
               "rollover_after": wanted.get("rollover_after", "24h"),
               "max_files_per_trigger": int(wanted.get("max_files_per_trigger") or 0)}

@@ -58,7 +58,8 @@ class StreamConfig(dg.Config):
 
     mode: Mode = Field(Mode.available_now, description="available_now: consume what exists, then stop; "
                        "continuous: run until terminated (the supervisor restarts it)")
-    trigger_interval: str = "5s"
+    trigger_interval: str = Field("", description="time between micro-batches, e.g. 5s (empty: the job's setting; "
+                                  "default: a batch as soon as input arrives and the last one has committed)")
     max_files_per_trigger: int = Field(0, description="landing files per micro-batch (0: the job's setting)")
     from_savepoint: str = ""  # a savepoint id: restore it (checkpoint and tables) before starting
     materialize_every: str = "10s"  # merge a table partition's batches into one event per interval
@@ -195,7 +196,7 @@ class StreamsConfig(dg.Config):
     jobs: list[str] = []  # empty: every job
     mode: Mode = Mode.available_now
     max_files_per_trigger: int = Field(0, description="landing files per micro-batch, each job (0: its setting)")
-    trigger_interval: str = "5s"
+    trigger_interval: str = Field("", description="time between micro-batches, e.g. 5s (empty: each job's setting)")
     from_savepoints: dict[str, str] = {}  # job -> savepoint id to restore before starting
     materialize_every: str = "10s"
     rollover_after: str = "24h"
@@ -247,7 +248,7 @@ def streaming_elsewhere(instance: dg.DagsterInstance, run_id: str, names: list[s
 def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, from_savepoints: dict[str, str],
                  lakestream: LakestreamResource, pyspark: LazyPySparkResource, partitions_def) -> None:
     """What a stream run does, for one job or several (one query each, in one Spark application)."""
-    interval = parse_duration(config.trigger_interval, field="trigger_interval")
+    interval = parse_duration(config.trigger_interval, field="trigger_interval") if config.trigger_interval.strip() else None
     if config.max_files_per_trigger < 0:
         raise dg.Failure(f"max_files_per_trigger must be 1 or more (0: the job's setting), got {config.max_files_per_trigger}")
     settings = lakestream.settings()
@@ -260,7 +261,10 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
     context.instance.add_run_tags(context.run_id, process_tags())  # (the supervisor notices when it is gone)
     for name in names:
         extra = {"max_files_per_trigger": config.max_files_per_trigger} if config.max_files_per_trigger else {}
-        settings = settings.with_job(name, trigger_interval=interval, **extra)
+        if interval is not None:
+            extra["trigger_interval"] = interval
+        if extra:
+            settings = settings.with_job(name, **extra)
     spark = lakestream.spark(pyspark)
     leases = {}  # a restore and the stream after it hold one lease: nothing starts the stream in between
     try:

@@ -84,7 +84,8 @@ class JobOverrides:
     out_of_orderness: timedelta | None = None
     allowed_lateness: timedelta | None = None
     dedup_ttl: timedelta | None = None
-    trigger_interval: timedelta = timedelta(seconds=5)
+    trigger_interval: timedelta | None = None  # None: as soon as the last batch committed (processing-time
+    #                                           timers: once a second); see ``run.runner.trigger_interval``
     max_files_per_trigger: int | None = None
     format: str | None = None  # table format of this job's sinks (default: Settings.format)
 

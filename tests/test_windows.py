@@ -401,3 +401,43 @@ def test_a_cached_frame_as_a_leaf_reads_the_same_rows_from_the_cache_and_after_i
     finally:
         frame.unpersist()
     assert sorted(tuple(r) for r in leaf.collect()) == want, "after unpersist: computed again from its lineage"
+
+
+def test_a_continuous_stream_on_the_default_trigger_takes_each_file_as_it_arrives_after_quiet_spells(spark, lake_home):
+    """The default trigger starts a batch as soon as input waits (and an idle stream's listings wait for its
+    landing folder to change): files arriving one by one, with quiet spells between them, are each read
+    in a batch of their own, and the result is the oracle's for that arrival."""
+    import threading
+    import time
+
+    job = job_for(Tumbling(size=timedelta(minutes=1)), timedelta(0))
+    assert lake_home.job(job.name).trigger_interval is None  # (the default)
+    batches = [[p(1, 0), p(2, 20 * SEC, "u2")], [p(3, 50 * SEC), p(4, 80 * SEC)], [p(5, 100 * SEC, "u2"), p(6, 5 * SEC)],
+               [p(7, 200 * SEC)]]
+    stop, reports, errors = threading.Event(), [], []
+
+    def run():
+        try:
+            reports.append(run_stream(spark, lake_home, job, available_now=False, progress=None, stop_event=stop,
+                                      install_signal_handlers=False))
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    commits = Path(lake_home.checkpoint_dir(job.name)) / "commits"
+    try:
+        for i, batch in enumerate(batches):
+            time.sleep(1.5)  # a quiet spell: the stream idles, its listings wait for the folder to change
+            write_batches(lake_home.landing_dir("payments"), [batch], start=i)
+            deadline = time.monotonic() + 60
+            while not errors and time.monotonic() < deadline and not (commits / str(i)).exists():
+                time.sleep(0.1)
+            assert (commits / str(i)).exists(), f"file {i} was not committed"
+    finally:
+        stop.set()
+        runner.join(60)
+    assert not errors, errors
+    truth = oracle_run(job, batches)
+    assert read_windows(spark) == expected(truth)
+    assert read_late(spark) == sorted(truth.late)

@@ -37,8 +37,14 @@ class Health:
     messages: list[str] = field(default_factory=list)
 
 
+# A stream that triggers as soon as its last batch committed (the default) is judged as if it triggered every
+# 2 s: a file that arrived while a batch ran waits for the next one, which is neither a backlog nor a stall.
+INTERVAL_FLOOR_S = 2.0
+
+
 def job_thresholds(settings: Settings, job: Job) -> Thresholds:
-    return Thresholds(trigger_interval_s=settings.job(job.name).trigger_interval.total_seconds())
+    interval = settings.job(job.name).trigger_interval
+    return Thresholds(trigger_interval_s=max(INTERVAL_FLOOR_S, interval.total_seconds() if interval else 0.0))
 
 
 def age(now_ms: int, then_ms: int | None) -> str:

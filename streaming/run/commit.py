@@ -16,13 +16,14 @@ each kind of job is in ``run/windowed.py`` and ``run/keyed.py``.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
 
 from ..checkpoint.layout import Layout, commit_app_id
@@ -32,6 +33,7 @@ from ..errors import CheckpointCorruptError
 from ..io.sinks import WATERMARK_KEY, Commit, Sink
 from ..spark.columns import once
 from ..spark.hadoopfs import HadoopFS
+from ..spark.metrics import observe, observed_if_any
 from .faults import FaultFn
 from ..io.tables import JobSinks
 
@@ -83,21 +85,36 @@ class StreamReport:
 
 @dataclass
 class Output:
-    """A batch's rows for one table, with their count (and time range) known before writing."""
+    """A batch's rows for one table, with their count (and time range) known before writing; or, with ``rows``
+    None, counted while they are written (``span``: the time column whose range they cover; ``expected``: a
+    bound on their number, when one is known, for the sink's choice of write)."""
 
     sink: Sink
     frame: DataFrame | None  # (None: no rows)
-    rows: int
+    rows: int | None
     deleted: int = 0
     first_ms: int | None = None
     last_ms: int | None = None
     upsert_keys: list[str] | None = None
+    span: str | None = None
+    expected: int | None = None
+
+    @property
+    def counted_while_written(self) -> bool:
+        return self.rows is None and self.frame is not None
+
+
+def count_span_columns(column: str) -> list:
+    """Aggregates of a frame's row count and the range of its time ``column`` (epoch ms): ``n``, ``lo``, ``hi``."""
+    return once(("span", column), lambda: [F.count(F.lit(1)).alias("n"), F.min(F.unix_millis(column)).alias("lo"),
+                                           F.max(F.unix_millis(column)).alias("hi")])
 
 
 def count_span(frame: DataFrame, column: str, *extra) -> dict:
-    base = once(("span", column), lambda: [F.count(F.lit(1)).alias("n"), F.min(F.unix_millis(column)).alias("lo"),
-                                           F.max(F.unix_millis(column)).alias("hi")])
-    return frame.agg(*base, *extra).first().asDict()
+    return frame.agg(*count_span_columns(column), *extra).first().asDict()
+
+
+_OBSERVED = itertools.count()
 
 
 class Handler:
@@ -144,17 +161,24 @@ class Handler:
         return Commit(self._prefix, batch_id, {"lakestream.job": self.job.name, WATERMARK_KEY: str(watermark_out)})
 
     def write(self, outputs: list[Output], commit: Commit, batch_id: int) -> dict[str, TableWrite]:
-        """Commit every output with rows, concurrently (one Spark job and one table commit each)."""
+        """Commit every output with rows, concurrently (one Spark job and one table commit each). An output
+        counted while written is committed even when it turns out empty (an empty commit: exactly-once all
+        the same), and reported only when it had rows."""
         replay = batch_id == self._replay
-        todo = [o for o in outputs if o.rows]
+        todo = [o for o in outputs if o.rows or o.counted_while_written]
         if self.lease is not None and todo:
             self.lease.check()
+        seen: dict[int, Observation] = {}
 
         def one(o: Output) -> None:
+            frame = o.frame
+            if o.counted_while_written:
+                seen[id(o)] = Observation(f"written-{self.job.name}-{next(_OBSERVED)}")
+                frame = observe(frame, seen[id(o)], count_span_columns(o.span))
             if o.upsert_keys:
-                o.sink.upsert(o.frame, o.upsert_keys, commit, may_exist=replay)
+                o.sink.upsert(frame, o.upsert_keys, commit, may_exist=replay)
             else:
-                o.sink.append(o.frame, commit, may_exist=replay, rows=o.rows)
+                o.sink.append(frame, commit, may_exist=replay, rows=o.rows if o.rows is not None else o.expected)
             self._fault(f"committed:{o.sink.table.name}", commit.version)
 
         if len(todo) > 1:
@@ -163,7 +187,15 @@ class Handler:
                     future.result()
         elif todo:
             one(todo[0])
-        return {o.sink.table.name: TableWrite(o.rows - o.deleted, o.deleted, o.first_ms, o.last_ms) for o in todo}
+        tables = {}
+        for o in todo:
+            if id(o) in seen:
+                got = observed_if_any(seen[id(o)])
+                if not got or not got.get("n"):  # (a replay that found its commit wrote nothing: no metrics)
+                    continue
+                o.rows, o.first_ms, o.last_ms = int(got["n"]), got["lo"], got["hi"]
+            tables[o.sink.table.name] = TableWrite(o.rows - o.deleted, o.deleted, o.first_ms, o.last_ms)
+        return tables
 
     def finish(self, batch_id: int, stats: BatchStats, previous: BatchRecord | None, tables: dict[str, TableWrite],
                started: float, **record) -> None:

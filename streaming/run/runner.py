@@ -12,6 +12,7 @@ import functools
 import signal
 import threading
 import time
+from datetime import timedelta
 from typing import Callable
 
 from pyspark.sql import DataFrame
@@ -44,7 +45,8 @@ def print_progress(result: BatchResult) -> None:
 def raw_stream(spark, settings: Settings, job: Job) -> DataFrame:
     """The records of every source of ``job`` as one stream (see ``io.sources``), read in the stream's own
     copy of the session."""
-    return stream_all(stream_session(spark, settings), settings, job)
+    folders = [kind_of(s).landing_folder(settings, s) for s in job.sources]
+    return stream_all(stream_session(spark, settings, [f for f in folders if f]), settings, job)
 
 
 def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, progress: ProgressFn | None = None,
@@ -79,7 +81,7 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
         handler = WindowedHandler(job, checkpoint, sinks, progress, report, fault, lease,
                                   store_schemas=store_schemas(spark, job), storage_options=settings.storage_options)
     writer = stream.writeStream.queryName(job.name).option("checkpointLocation", checkpoint).foreachBatch(handler)
-    interval = settings.job(job.name).trigger_interval
+    interval = trigger_interval(settings, job)
     if available_now and not _polls(job) and not _paced_tables(settings, job):
         writer = writer.trigger(availableNow=True)
     else:
@@ -100,6 +102,21 @@ def _start_with_partitions(spark, writer, partitions: int):
         return writer.start()
     finally:
         spark.conf.set("spark.sql.shuffle.partitions", configured)
+
+
+# A job with processing-time timers runs a batch every trigger, input or not: without an interval of its own it
+# ticks once a second (a trigger of 0 would run batches back to back on an idle stream).
+PROCESSING_TIME_TICK = timedelta(seconds=1)
+
+
+def trigger_interval(settings: Settings, job: Job) -> timedelta:
+    """The job's trigger interval: its setting (default 0: the next batch starts as soon as the last one has
+    committed and input is waiting, Spark's own default), or ``PROCESSING_TIME_TICK`` for a job with
+    processing-time timers that sets none."""
+    interval = settings.job(job.name).trigger_interval
+    if interval is None:
+        return PROCESSING_TIME_TICK if _polls(job) else timedelta(0)
+    return interval
 
 
 def _polls(job: Job) -> bool:
@@ -235,11 +252,9 @@ def run_streams(
             reports.append(report)
             if not available_now and progress is not None:
                 folders = ", ".join(kind_of(s).location(settings, s) for s in job.sources)
-                print(
-                    f"{job.name}: streaming from {folders} every "
-                    f"{format_duration(settings.job(job.name).trigger_interval)}; Ctrl-C stops after the current batch",
-                    flush=True,
-                )
+                interval = trigger_interval(settings, job)
+                pace = f"every {format_duration(interval)}" if interval else "as input arrives"
+                print(f"{job.name}: streaming from {folders} {pace}; Ctrl-C stops after the current batch", flush=True)
         running = list(started)
         polls = 0
         began = time.monotonic()

@@ -100,12 +100,11 @@ class WindowedHandler(Handler):
             pool.shutdown(wait=False)
             t = timed("plan", t)
             outputs = []
-            n_late = 0
-            if batch.may_be_late():  # only a batch with events behind the watermark counts its late rows
-                late = batch.cache(batch.late())
-                span = count_span(late, "window_start")
-                n_late = span["n"]
-                outputs.append(Output(self.sinks.late, late, n_late, 0, span["lo"], span["hi"]))
+            late = None
+            if batch.may_be_late():  # only a batch with events behind the watermark has late rows: counted as written
+                late = Output(self.sinks.late, batch.late(), None, span="window_start",
+                              expected=batch.late_candidates() * job.window.windows_per_event)
+                outputs.append(late)
             written = deleted = 0
             if fired.rows is not None:
                 kept = batch.cache(fired.rows)
@@ -120,6 +119,7 @@ class WindowedHandler(Handler):
                                       [*job.keys, "window_start"] if job.upserts or forced else None))
             t = timed("fire windows", t)
             tables = self.write(outputs, commit, batch_id)
+            n_late = late.rows or 0 if late is not None else 0
             tables.update(quarantined.result())
             t = timed("commits", t)
             new_files = stored.result()

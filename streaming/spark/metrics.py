@@ -39,3 +39,14 @@ def observed(observation: Observation, timeout_s: float = 300.0) -> dict:
     if not box:
         raise EngineError(f"Spark reported no metrics for {observation_name(observation)} within {timeout_s:.0f}s")
     return defaultdict(lambda: None, json.loads(box[0]))
+
+
+def observed_if_any(observation: Observation, timeout_s: float = 5.0) -> dict | None:
+    """The metrics of an action that may not have run (a write skipped because its commit was found): None
+    when none arrive within ``timeout_s``."""
+    from ..errors import EngineError
+
+    try:
+        return observed(observation, timeout_s)
+    except EngineError:
+        return None

@@ -117,6 +117,7 @@ class WindowedBatch:
     expect_large: bool = False
     _stats: BatchStats | None = None
     _min_t: int | None = None
+    _late_candidates: int = 0
     _events: DataFrame | None = None
     _repeats: tuple[list[int], list[int], list[int]] | None | object = _UNKNOWN
     _observation: Observation | None = None
@@ -145,9 +146,13 @@ class WindowedBatch:
         return valid & (t_ms >= self.event_range_ms[0]) & (t_ms < self.event_range_ms[1])
 
     def _stat_columns(self) -> list[Column]:
-        if self.event_range_ms is None:
-            return once("stat columns", self._build_stat_columns, self.job)
-        return self._build_stat_columns()
+        if self.bounded:
+            return self._build_stat_columns() if self.event_range_ms is not None else \
+                once("stat columns", self._build_stat_columns, self.job)
+        # a stream's batch also counts the events that can be late (see ``late_horizon_ms``)
+        t_ms = once("event ms", lambda: as_param(F.unix_millis(self.job.source.event_time)), self.job)
+        early = F.count(F.when(self._valid() & (t_ms < param(self.late_horizon_ms())), 1)).alias("_early")
+        return [*once("stat columns", self._build_stat_columns, self.job), early]
 
     def _build_stat_columns(self) -> list[Column]:
         job, valid = self.job, self._in_range()
@@ -184,8 +189,7 @@ class WindowedBatch:
                 row = observed(self._lines_seen)
             elif self.expect_large:
                 seen = Observation(f"stats-{job.name}-{next(_OBSERVATIONS)}")
-                self._repeats = self._find_repeats(observe(self._lines(), seen, once("packed stats", lambda: packed(
-                    self._stat_columns()), job)))
+                self._repeats = self._find_repeats(observe(self._lines(), seen, packed(self._stat_columns())))
                 row = observed(seen)
             else:
                 row = self._lines().agg(*self._stat_columns()).first()
@@ -194,7 +198,13 @@ class WindowedBatch:
                                      events=row["_valid"], max_event_time_ms=row["_max_t"],
                                      watermark_in_ms=self.watermark_in_ms)
             self._min_t = row["_min_t"]
+            self._late_candidates = int(row["_early"] or 0) if not self.bounded else 0
         return self._stats
+
+    def late_candidates(self) -> int:
+        """A stream's batch: its valid lines before :meth:`late_horizon_ms` (repeats included)."""
+        self.stats()
+        return self._late_candidates
 
     def next_watermark(self) -> int:
         if self.bounded:
@@ -324,29 +334,38 @@ class WindowedBatch:
     def windowed(self) -> DataFrame:
         """Transformed events with their windows and a ``_late`` flag (one row per event and window)."""
         if self._windowed is None:
-            job = self.job
-            measured = job.transform(self.events())
-            once("transform output checked", lambda: _check_transform_output(job, measured.columns), job)
-            one = once("one window", lambda: job.window.one_window(F.unix_millis(F.col(job.source.event_time))), job)
-            if one is None:
-                windowed = job.window.assign(measured, F.unix_millis(F.col(job.source.event_time)))
-                self._windowed = windowed.withColumn("_late", self._late_condition())
-            else:  # one window per event: one projection, its expressions built once per job
-                ws, we = one
-                late = self._late_condition(we)
-                self._windowed = measured.select(F.col("*"), ws.alias(WS), we.alias(WE), late.alias("_late"))
+            self._windowed = self._with_windows(self.events())
         return self._windowed
 
+    def _with_windows(self, events: DataFrame) -> DataFrame:
+        job = self.job
+        measured = job.transform(events)
+        once("transform output checked", lambda: _check_transform_output(job, measured.columns), job)
+        one = once("one window", lambda: job.window.one_window(F.unix_millis(F.col(job.source.event_time))), job)
+        if one is None:
+            windowed = job.window.assign(measured, F.unix_millis(F.col(job.source.event_time)))
+            return windowed.withColumn("_late", self._late_condition())
+        ws, we = one  # one window per event: one projection, its expressions built once per job
+        return measured.select(F.col("*"), ws.alias(WS), we.alias(WE), self._late_condition(we).alias("_late"))
+
+    def late_horizon_ms(self) -> int:
+        """A (row, window) is late when ``end + L <= W_in``; every window of an event ends after it, so only
+        events before ``W_in - L`` can be late."""
+        return self.watermark_in_ms - self.job.watermark.allowed_lateness_ms
+
     def late(self) -> DataFrame:
-        """Late side output: the event, the window it missed, the watermark and by how much."""
+        """Late side output: the event, the window it missed, the watermark and by how much. Built from the
+        events that can be late alone (before :meth:`late_horizon_ms`: in a stream, a handful per batch), so
+        the transform, the windows and the join with the original events cost what the late events bring."""
         job, key = self.job, self.job.source.dedup_key
         fields = [f for f in dict.fromkeys(n for s in job.sources for n in s.field_names)]
-        originals = self.events().select(
+        candidates = self.events().where(as_param(F.col("event_time_ms")) < param(self.late_horizon_ms()))
+        originals = candidates.select(
             F.col(key).alias("_id"), F.col("source").alias("_src"), F.col("source_file").alias("_file"),
             F.to_json(F.struct(*[F.col(f) for f in fields])).alias("_event"),
         )
-        missed = self.windowed().where(F.col("_late")).select(*job.keys, key, job.source.event_time, WS, WE)
-        joined = missed.join(originals, missed[key] == originals["_id"], "left")
+        missed = self._with_windows(candidates).where(F.col("_late")).select(*job.keys, key, job.source.event_time, WS, WE)
+        joined = missed.join(F.broadcast(originals), missed[key] == originals["_id"], "left")
         t_ms = F.unix_millis(F.col(job.source.event_time))
         return joined.select(
             *job.keys, F.col(key), F.col(job.source.event_time),
@@ -360,7 +379,7 @@ class WindowedBatch:
         """Whether any event of the batch can be late (its earliest window already closed)."""
         self.stats()
         min_t = self._min_t
-        if self.bounded or min_t is None:
+        if self.bounded or min_t is None or not self._late_candidates:
             return False
         return self.job.window.may_be_late(min_t, self.job.watermark.allowed_lateness_ms, self.watermark_in_ms)
 

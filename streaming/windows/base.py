@@ -74,6 +74,11 @@ class Window(ABC):
     def assign(self, frame: DataFrame, time_ms: Column) -> DataFrame:
         """``frame`` with ``ws``/``we``: one row per event and window it belongs to."""
 
+    @property
+    def windows_per_event(self) -> int:
+        """The most windows one event belongs to (sessions: the one interval it opens)."""
+        return 1
+
     def one_window(self, time_ms: Column) -> tuple[Column, Column] | None:
         """Start and end of the one window of an event, for kinds where every event has exactly one (a
         single projection instead of :meth:`assign`); None otherwise."""
