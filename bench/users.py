@@ -11,6 +11,7 @@ events up to 5 s out of order, 0.5 % arriving 2-20 minutes late, 0.2 % delivered
 
 Sections (``--only a,b``; all by default):
 
+* ``cold``     one file of 500 payments: process start to the first batch committed (cold start);
 * ``stream``   1M payments, ``run purchase_metrics --available-now`` with the defaults (the whole landing
                folder in one batch) vs the peer's availableNow stream;
 * ``paced``    the same, one file per trigger on both sides (``--max-files-per-trigger 1``): per-batch cost;
@@ -26,7 +27,7 @@ Sections (``--only a,b``; all by default):
                one file per trigger, commit-to-commit);
 * ``bigdelta`` a backfill whose Delta output is >= 5M rows under a 1 GiB driver heap.
 
-Beside every ratio: cold start (process start to the first batch committed) and the peak memory of the
+Beside every ratio: the first commit (process start to the first batch committed) and the peak memory of the
 process tree (driver Python + JVM; on a local master the JVM is also the executors). lakestream's
 per-step breakdown is the one its CLI prints (``time per step``).
 
@@ -266,8 +267,8 @@ def _throughput(b: Bench, section: str, measure: str, ls_args: list[str], peer_a
            ratio >= target, cold_start=[median(plain_cold), median(ours_cold)], peak_mb=[median(plain_mem), median(ours_mem)],
            batch_s=[median(plain_batch), median(ours_batch)], steps=breakdown, runs=[plain_t, ours_t])
     cold = median(ours_cold) - median(plain_cold)
-    record(section, f"cold start ({measure})", f"{median(plain_cold):.1f} s", f"{median(ours_cold):.1f} s", None,
-           "<= plain + 2 s", cold <= 2.0)
+    record(section, f"first commit ({measure})", f"{median(plain_cold):.1f} s", f"{median(ours_cold):.1f} s (+{cold:.1f} s)",
+           None, "reference", None)
     say(f"     peak memory: peer {median(plain_mem):.0f} MB, lakestream {median(ours_mem):.0f} MB; "
         f"batch (commit to commit, median): peer {median(plain_batch):.2f} s, lakestream {median(ours_batch):.2f} s")
 
@@ -282,6 +283,28 @@ def paced(b: Bench) -> None:
     _throughput(b, "paced", "stream, one file per trigger",
                 ["run", "purchase_metrics", "--available-now", "--max-files-per-trigger", "1"],
                 ["--max-files-per-trigger", "1"])
+
+
+def cold(b: Bench) -> None:
+    """Process start to the first batch committed, on a landing folder of one small file (500 payments): what
+    a stream costs before its first result, both sides started cold."""
+    say("\n[cold] one file of 500 payments: process start to the first batch committed")
+    data = b.out / "data" / "cold"
+    landing = data / "landing"
+    if not (landing / "payments" / "one.jsonl").exists():
+        (landing / "payments").mkdir(parents=True, exist_ok=True)
+        write_file(landing / "payments", "one.jsonl", LivePayments(b.users, seed=9).lines(500))
+    plain, ours = [], []
+    for i in range(b.runs):
+        p, pcp = b.peer("stream", landing)
+        o, ocp = b.lakestream(["run", "purchase_metrics", "--available-now"], landing, "purchase_metrics")
+        plain.append(first_commit(pcp, p.started))
+        ours.append(first_commit(ocp, o.started))
+        say(f"  run {i + 1}: peer first commit {plain[-1] or 0:.1f} s (exit {p.wall:.1f} s), lakestream {ours[-1] or 0:.1f} s "
+            f"(exit {o.wall:.1f} s); {steps(o.out)}")
+    extra = median(ours) - median(plain)
+    record("cold", "cold start, first batch committed", f"{median(plain):.1f} s", f"{median(ours):.1f} s (+{extra:.1f} s)",
+           None, "<= plain + 2 s", extra <= 2.0, runs=[plain, ours])
 
 
 def delta(b: Bench) -> None:
@@ -517,7 +540,7 @@ def bigdelta(b: Bench) -> None:
            None, ">= 5M rows, rc 0", bool(rows and rows >= 5_000_000 and r.rc == 0), peak_mb=r.peak_mb)
 
 
-SECTIONS = {"stream": stream, "paced": paced, "delta": delta, "bounded": bounded, "latency": latency_section,
+SECTIONS = {"cold": cold, "stream": stream, "paced": paced, "delta": delta, "bounded": bounded, "latency": latency_section,
             "keyed": keyed, "flat": flat, "bigdelta": bigdelta}
 
 

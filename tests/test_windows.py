@@ -338,16 +338,22 @@ def test_a_backfill_whose_transform_reads_fields_it_drops_keeps_them_for_it(spar
     assert transform_inputs(job, parsed.schema) == {"user_id", "event_time", "event_id", "amount", "currency", "card_id"}
 
 
-@pytest.mark.parametrize("small, max_repeats", [(0, 10_000), (0, 1), (None, 10_000)],
-                         ids=["filtered", "too-many-repeats", "small-batch"])
+@pytest.mark.parametrize("small, max_repeats, by_size", [(0, 10_000, False), (0, 10_000, True), (0, 1, False),
+                                                          (None, 10_000, False)],
+                         ids=["filtered", "filtered-first-by-size", "too-many-repeats", "small-batch"])
 def test_ids_delivered_again_within_a_batch_count_once_and_the_first_line_wins(spark, lake_home, monkeypatch,
-                                                                                small, max_repeats):
+                                                                                small, max_repeats, by_size):
     """A stream's batch drops repeats within it by their hashes, without a shuffle, keeping the first line
     of an id; with more repeated ids than it filters (``MAX_REPEATS``), or in a small batch, it uses
-    ``dropDuplicates``, which keeps one line of each, any."""
+    ``dropDuplicates``, which keeps one line of each, any. A batch expected to be large (after a large one, or
+    by the size of its input files) finds its repeats in its statistics job."""
     import streaming.windowed.batch
 
     monkeypatch.setattr(streaming.windowed.batch, "MAX_REPEATS", max_repeats)
+    if not by_size:  # (the first batch is not known to be large: it finds its repeats in a job of its own)
+        monkeypatch.setattr(streaming.windowed.batch, "LARGE_BATCH_BYTES", 10**15)
+    else:
+        monkeypatch.setattr(streaming.windowed.batch, "LARGE_BATCH_BYTES", 0)
     if small is not None:  # (these batches are small: make them count as large)
         monkeypatch.setattr(streaming.windowed.batch, "INTERPRETED_BATCH_LINES", small)
     found_in_stats = []  # a batch after a large one finds its repeats in its statistics job
@@ -374,7 +380,7 @@ def test_ids_delivered_again_within_a_batch_count_once_and_the_first_line_wins(s
         assert table == expected(truth)
         assert table[("u1", T0)][1:] == (3, Decimal("30.00")), "e2 counted once, with its first line's amount"
         assert table[second][1:] == (2, Decimal("15.00")), "e7 counted once, with its first line's amount"
-        assert found_in_stats == [False, True, True], "the batches after the first find repeats in their statistics job"
+        assert found_in_stats == [by_size, True, True], "the batches after the first find repeats in their statistics job"
     else:
         assert {k: v[:2] for k, v in table.items()} == {k: v[:2] for k, v in expected(truth).items()}
         assert table[("u1", T0)][2] in (Decimal("30.00"), Decimal("119.00"))

@@ -133,3 +133,14 @@ def with_iceberg_commit_properties(spark, properties: dict[str, str], fn) -> Non
     jvm.org.apache.iceberg.spark.CommitMetadata.withCommitProperties(props, run, jvm.java.lang.RuntimeException().getClass())
     if run.error is not None:
         raise run.error
+
+
+def estimated_bytes(frame) -> int | None:
+    """The size Spark's optimizer estimates for ``frame`` (for a micro-batch of files: their bytes), or None when
+    it has no estimate. Costs an optimisation of the plan, not a job."""
+    try:
+        size = frame._jdf.queryExecution().optimizedPlan().stats().sizeInBytes()  # noqa: SLF001
+        size = int(size if isinstance(size, int) else size.toString())  # (py4j hands a Scala BigInt over as an int)
+    except Exception:  # noqa: BLE001 - an estimate only
+        return None
+    return size if 0 <= size < 2**62 else None  # (Spark says Long.MaxValue when it does not know)

@@ -131,6 +131,9 @@ def spark_conf(settings: Settings) -> dict[str, str]:
         "spark.sql.catalog.lake.cache-enabled": "false",
         "spark.sql.sources.partitionOverwriteMode": "dynamic",
         "spark.sql.parquet.compression.codec": "zstd",
+        # Timestamps in Parquet as Delta and every other reader expects them (Spark's default is the legacy INT96):
+        # Delta data files are written by the executors (``io.sinks.delta``).
+        "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
         # Micro-batches are cached once and read twice: compressing that cache cost 4 s per 540k lines.
         "spark.sql.inMemoryColumnarStorage.compressed": "false",
         # Every micro-batch re-derives the constraints of its plan (ForeachBatchSink wraps the batch in a

@@ -45,7 +45,7 @@ from ..declaration import WindowedJob
 from ..errors import DeclarationError
 from ..io.parse import ARRIVAL, parse_sources
 from ..spark.columns import as_param, group, in_set, once, param, select
-from ..spark.jvm import cached_leaf, referenced_columns
+from ..spark.jvm import cached_leaf, estimated_bytes, referenced_columns
 from ..spark.metrics import observe, observed, packed
 from ..time import NEG_INF_MS, POS_INF_MS, advance
 from ..windows import WE, WS, Fired, Firing
@@ -456,5 +456,18 @@ def plan_batch(
     parsed = parsed.withColumn("source_file", F.when(needs_file, F.col("source_file")))
     if bounded:  # the lines are cached: keep only the fields the transform reads (a stream's late rows need all)
         parsed = select(parsed, once("bounded columns", lambda: [F.col(c) for c in _bounded_columns(job, parsed)], job))
+    large = False
+    if not bounded:
+        if lines_before is not None and lines_before > INTERPRETED_BATCH_LINES:
+            large = True
+        else:  # the first batch of a stream, or one after a small batch: by the size of its input files
+            size = estimated_bytes(raw)
+            large = size is not None and size > LARGE_BATCH_BYTES
     return WindowedBatch(job=job, watermark_in_ms=watermark_in_ms, bounded=bounded, parsed=parsed, store=store,
-                         event_range_ms=event_range_ms, batch_id=batch_id, expect_large=not bounded and (lines_before or 0) > INTERPRETED_BATCH_LINES)
+                         event_range_ms=event_range_ms, batch_id=batch_id, expect_large=large)
+
+
+# A batch whose input Spark estimates at more than this many bytes is expected to be large: its statistics job also
+# finds its repeated ids (one job less). A payment line is ~190 bytes, estimated at ~330 with the columns the
+# source adds: ~25k lines and more.
+LARGE_BATCH_BYTES = 8_000_000

@@ -1,11 +1,20 @@
 """Exactly-once writes to Delta Lake tables.
 
-``DeltaRsSink`` (the default: Delta's Spark jars come only from Maven) commits with delta-rs from
-the driver: the batch's rows are collected as Arrow (sink outputs are windows, alerts, late and
-quarantined events: small next to the input) and every commit carries an application
-transaction ``(app_id, batch id)``, Delta's own idempotent-writer marker, plus the commit id and
-watermark as commit metadata. A replayed batch whose transaction version is already recorded is
-skipped.
+``DeltaRsSink`` (the default: Delta's Spark jars come only from Maven) commits with delta-rs, and
+every commit carries an application transaction ``(app_id, batch id)``, Delta's own idempotent-writer
+marker, plus the commit id and watermark as commit metadata. A replayed batch whose transaction
+version is already recorded is skipped.
+
+Where the rows go through:
+
+* bulk writes (a backfill's range replacement, an append of many or of uncounted rows): the executors
+  write the Parquet data files into the table's folder (``lakestream-<uuid>/<partition>=<day>/...``,
+  Spark's own writer), the driver lists them and commits their add actions with delta-rs
+  (``create_write_transaction``): no row passes through the driver, whose memory then bounds nothing;
+* small writes (a micro-batch's windows, late rows or quarantined lines, counted before writing) are
+  collected as Arrow and written by delta-rs from the driver (a Spark job and a listing less);
+* merges (upserts, a backfill's quarantine lines not yet present, deletions of absorbed late rows)
+  find their rows on the executors and hand delta-rs only those rows (or keys).
 
 ``DeltaSparkSink`` writes the same tables through Spark's native Delta source (``txnAppId`` /
 ``txnVersion``) when delta-spark's jars are on the classpath and ``delta.engine: spark`` is set.
@@ -20,8 +29,11 @@ of the days it covers.
 
 from __future__ import annotations
 
+import json
+import uuid
 from datetime import datetime, timezone
 from typing import Mapping, Sequence
+from urllib.parse import unquote
 
 import pyarrow as pa
 from pyspark.sql import DataFrame
@@ -34,6 +46,16 @@ from .base import COMMIT_KEY, OP, WATERMARK_KEY, Commit, later_batch, with_retri
 
 
 GENERATED = "delta.generationExpression"  # field metadata key of Delta's generated columns
+DAY_MS = 86_400_000
+# A write of at most this many rows, counted beforehand, is collected and written by delta-rs from the driver;
+# more rows, or rows not counted, are written by the executors (see the module).
+SMALL_WRITE_ROWS = 50_000
+WRITES_FOLDER = "lakestream"  # (data files the executors write: <table>/lakestream-<uuid>/<_DAY>=<day>/...)
+_DAY = "lakestream_day"
+
+
+def _ts(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
 
 
 def _iso(ms: int) -> str:
@@ -111,15 +133,117 @@ class DeltaRsSink:
         return recorded is not None and recorded >= commit.version
 
     def append(self, frame: DataFrame, commit: Commit, *, may_exist: bool = True, rows: int | None = None) -> bool:
+        """``rows``: the frame's row count (or a bound on it), when known: a small frame is written from the
+        driver, any other by the executors (see the module)."""
         from deltalake import write_deltalake
 
         if may_exist and self.is_committed(commit):
             return False
+        if rows is None or rows > SMALL_WRITE_ROWS:
+            self._commit_files(frame, "append", commit=commit)
+            return True
         data = to_arrow(frame)
         with_retries(self.table, lambda: write_deltalake(self.uri, data, mode="append", storage_options=self.options,
                                                          commit_properties=self._properties(commit)),
                      already=lambda: self.is_committed(commit))
         return True
+
+    # -- data files written by the executors ----------------------------------------------
+    def _partitioning(self, table) -> tuple[list[str], dict[str, str]]:
+        """The table's partition columns, and those of them generated from another column (name -> source)."""
+        columns = list(table.metadata().partition_columns)
+        generated = {}
+        arrow = pa.schema(table.schema().to_arrow())
+        for f in arrow:
+            expression = (f.metadata or {}).get(GENERATED.encode())
+            if f.name in columns and expression:
+                text = expression.decode()
+                if text.upper().startswith("CAST(") and text.upper().endswith(" AS DATE)"):
+                    generated[f.name] = text[5:-9].strip().strip("`")
+        return columns, generated
+
+    def _write_files(self, frame: DataFrame, table) -> list:
+        """Write ``frame``'s rows as Parquet data files into a new folder of the table, from the executors (Spark's
+        writer, one folder per partition value), and return their add actions (path, size, partition values,
+        row count), read from the files' footers. The files hold every column of the table but the generated
+        ones (a partition column that is a column of the rows stays in them too)."""
+        from pyspark.sql import functions as F
+
+        columns, generated = self._partitioning(table)
+        if len(columns) > 1:
+            raise ValueError(f"{self.uri}: lakestream writes tables partitioned by one day column, not {columns}")
+        if columns:
+            source = generated.get(columns[0])
+            day = F.to_date(F.col(source)) if source else F.col(columns[0])  # (the session's time zone is UTC, as Delta's)
+            frame = frame.withColumn(_DAY, day)
+        folder = f"{WRITES_FOLDER}-{uuid.uuid4().hex}"
+        writer = frame.write.mode("errorifexists").option("mapreduce.fileoutputcommitter.marksuccessfuljobs", "false")
+        if columns:
+            writer = writer.partitionBy(_DAY)
+        writer.parquet(f"{self.uri.rstrip('/')}/{folder}")
+        return self._add_actions(folder, {_DAY: columns[0]} if columns else {})
+
+    def _add_actions(self, folder: str, columns: dict[str, str]) -> list:
+        import pyarrow.fs as pafs
+        import pyarrow.parquet as pq
+        from deltalake.fs import DeltaStorageHandler
+        from deltalake.transaction import AddAction
+
+        fs = pafs.PyFileSystem(DeltaStorageHandler(self.uri, self.options))
+        actions = []
+        for info in fs.get_file_info(pafs.FileSelector(folder, recursive=True, allow_not_found=True)):
+            name = info.path.rsplit("/", 1)[-1]
+            if info.type != pafs.FileType.File or name.startswith((".", "_")) or not name.endswith(".parquet"):
+                continue  # (Hadoop's checksum files, Spark's markers)
+            values = {}
+            for part in info.path.split("/")[1:-1]:  # (folder names: <writer's column>=<value>)
+                key, _, value = part.partition("=")
+                if key in columns:
+                    value = unquote(value)
+                    values[columns[key]] = None if value == "__HIVE_DEFAULT_PARTITION__" else value
+            with fs.open_input_file(info.path) as handle:
+                rows = pq.ParquetFile(handle).metadata.num_rows
+            modified = int(info.mtime.timestamp() * 1000) if info.mtime is not None else int(datetime.now().timestamp() * 1000)
+            actions.append(AddAction(info.path, info.size, values, modified, True, json.dumps({"numRecords": rows})))
+        return actions
+
+    def _discard(self, folder_of: list) -> None:
+        """Delete data files written for a commit that did not happen (best effort: unreferenced files are
+        invisible to readers either way)."""
+        import pyarrow.fs as pafs
+        from deltalake.fs import DeltaStorageHandler
+
+        fs = pafs.PyFileSystem(DeltaStorageHandler(self.uri, self.options))
+        for folder in {a.path.split("/", 1)[0] for a in folder_of}:
+            try:
+                fs.delete_dir(folder)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+
+    def _commit_files(self, frame: DataFrame, mode: str, *, commit: Commit | None = None,
+                      properties: Mapping[str, str] | None = None, days: list[str] | None = None,
+                      table=None) -> None:
+        """Write ``frame`` from the executors and commit its files as one transaction: an append, or (``days``)
+        an overwrite of those day partitions. ``table``: the table as read before (its version is what the
+        transaction checks concurrent commits against)."""
+        table = table or self._dt()
+        actions = self._write_files(frame, table)
+        columns, _ = self._partitioning(table)
+        filters = [(columns[0], "in", days)] if days else None
+
+        def attempt() -> None:
+            current = table if attempt.first else self._dt()
+            attempt.first = False
+            current.create_write_transaction(actions, mode, current.schema(), partition_by=columns or None,
+                                             partition_filters=filters,
+                                             commit_properties=self._properties(commit, properties))
+
+        attempt.first = True
+        try:
+            with_retries(self.table, attempt, already=(lambda: self.is_committed(commit)) if commit else None)
+        except BaseException:
+            self._discard(actions)
+            raise
 
     def upsert(self, frame: DataFrame, keys: Sequence[str], commit: Commit, *, may_exist: bool = True) -> bool:
         if may_exist and self.is_committed(commit):
@@ -141,8 +265,27 @@ class DeltaRsSink:
     # -- bounded twins -------------------------------------------------------------------
     def replace_range(self, frame: DataFrame, column: str, lo_ms: int, hi_ms: int,
                       properties: Mapping[str, str]) -> None:
+        """The rows of ``[lo, hi)`` become ``frame``'s, atomically. On a table partitioned by day the executors write
+        the new files and one transaction replaces the days the range touches (a day only partly in the range
+        keeps its other rows, read and written again with the new ones); an unpartitioned table is overwritten
+        by delta-rs from the driver."""
         from deltalake import write_deltalake
+        from pyspark.sql import functions as F
 
+        table = self._dt()
+        columns, generated = self._partitioning(table)
+        if len(columns) == 1 and (generated.get(columns[0]) == column or columns[0] == column):
+            first, last = lo_ms // DAY_MS, (hi_ms - 1) // DAY_MS
+            days = [datetime.fromtimestamp(d * 86_400, tz=timezone.utc).strftime("%Y-%m-%d") for d in range(first, last + 1)]
+            if lo_ms % DAY_MS or hi_ms % DAY_MS:  # the touched days' rows outside the range stay
+                files = table.file_uris(partition_filters=[(columns[0], "in", days)])
+                if files:
+                    t = F.col(column)
+                    kept = self._read_files(table, files).where(
+                        (t < F.lit(_ts(lo_ms))) | (t >= F.lit(_ts(hi_ms))))
+                    frame = frame.unionByName(kept.select(*frame.columns))
+            self._commit_files(frame, "overwrite", properties=properties, days=days, table=table)
+            return
         data = to_arrow(frame)
         predicate = f"{column} >= '{_iso(lo_ms)}' AND {column} < '{_iso(hi_ms)}'"
         with_retries(self.table, lambda: write_deltalake(
@@ -150,7 +293,14 @@ class DeltaRsSink:
             commit_properties=self._properties(None, properties)))
 
     def insert_missing(self, frame: DataFrame, on: Sequence[str], properties: Mapping[str, str]) -> None:
-        data = to_arrow(frame)
+        """Insert the rows of ``frame`` that the table does not hold (matched on ``on``): found on the executors,
+        and only they reach delta-rs's merge (which checks again, against commits made meanwhile)."""
+        existing = self.read().select(*on)
+        condition = None
+        for c in on:
+            same = frame[c].eqNullSafe(existing[c])
+            condition = same if condition is None else condition & same
+        data = to_arrow(frame.join(existing, condition, "left_anti"))
         if data.num_rows == 0:
             return
         condition = " AND ".join(f"(t.{c} IS NOT DISTINCT FROM s.{c})" for c in on)
@@ -202,9 +352,13 @@ class DeltaRsSink:
 
     def read(self) -> DataFrame:
         table = self._dt()
+        return self._read_files(table, table.file_uris())
+
+    def _read_files(self, table, files: list[str]) -> DataFrame:
+        """The rows of some of the table's files, without its generated columns (partition values are not in
+        the files: read with the partition columns left out)."""
         arrow = pa.schema(table.schema().to_arrow())  # delta-rs hands out arro3 schemas
         schema = from_arrow_schema(pa.schema([f for f in arrow if GENERATED.encode() not in (f.metadata or {})]))
-        files = table.file_uris()
         if not files:
             return self.spark.createDataFrame([], schema)
         return self.spark.read.schema(schema).parquet(*files)
