@@ -68,8 +68,8 @@ def test_declarations_validate_at_construction():
         Watermark(out_of_orderness=timedelta(seconds=5), allowed_lateness=timedelta(seconds=-1))
     with pytest.raises(DeclarationError, match="lake.<namespace>.<table>"):
         Table("payments.purchase_metrics")
-    with pytest.raises(DeclarationError, match="sum, min, max or count"):
-        Agg("avg", "amount")
+    with pytest.raises(DeclarationError, match="must be one of sum, min, max, count, avg, count_distinct"):
+        Agg("mode", "amount")
 
 
 def test_the_job_declaration_is_frozen_hashable_and_fingerprinted():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pyspark.sql import types as T
 
-from ..declaration import Agg, Job, KeyedJob
+from ..declaration import Agg, Job, KeyedJob, WindowedJob
 
 RAW_SCHEMA = T.StructType([
     T.StructField("value", T.StringType()),
@@ -47,13 +47,12 @@ def late_schema(job: Job, transformed: T.StructType) -> T.StructType:
     )
 
 
-def aggregate_type(agg: Agg, schema: T.StructType) -> T.DataType:
-    """The fixed type of an aggregate, so pieces and sink keep one schema across batches."""
-    if agg.kind == "count":
-        return T.LongType()
-    source = schema[agg.column].dataType
-    if agg.kind in ("min", "max"):
-        return source
+def piece_name(agg: Agg) -> str:
+    """The store column of an aggregate's piece (its own name where the piece is the value)."""
+    return agg.name if agg.kind in ("count", "sum", "min", "max") else f"_p_{agg.name}"
+
+
+def sum_type(source: T.DataType) -> T.DataType:
     if isinstance(source, T.DecimalType):
         return T.DecimalType(38, source.scale)
     if isinstance(source, (T.ByteType, T.ShortType, T.IntegerType, T.LongType, T.BooleanType)):
@@ -61,7 +60,53 @@ def aggregate_type(agg: Agg, schema: T.StructType) -> T.DataType:
     return T.DoubleType()
 
 
+def aggregate_type(agg: Agg, schema: T.StructType) -> T.DataType:
+    """The fixed type of an aggregate's value in the sink (pieces and sink keep one schema across batches)."""
+    if agg.kind in ("count", "count_distinct", "approx_count_distinct"):
+        return T.LongType()
+    source = schema[agg.column].dataType
+    if agg.kind in ("min", "max", "first", "last"):
+        return source
+    if agg.kind == "sum":
+        return sum_type(source)
+    if agg.kind == "avg" and isinstance(source, T.DecimalType):
+        return T.DecimalType(min(38, source.precision + 4), min(38, source.scale + 4))
+    return T.DoubleType()  # avg of other numbers, percentile
+
+
+def piece_type(agg: Agg, schema: T.StructType) -> T.DataType:
+    """The fixed type of an aggregate's piece in the store."""
+    kind = agg.kind
+    if kind in ("count", "sum", "min", "max"):
+        return aggregate_type(agg, schema)
+    source = schema[agg.column].dataType
+    if kind == "avg":
+        return T.StructType([T.StructField("s", sum_type(source)), T.StructField("n", T.LongType())])
+    if kind == "count_distinct":
+        return T.ArrayType(source)
+    if kind == "approx_count_distinct":
+        return T.MapType(T.IntegerType(), T.IntegerType())
+    if kind in ("first", "last"):
+        return T.StructType([T.StructField("t", T.LongType()), T.StructField("id", T.StringType()),
+                             T.StructField("v", source)])
+    return T.MapType(T.LongType(), T.LongType())  # percentile
+
+
+def types_of(job: WindowedJob, schema: T.StructType) -> dict[str, T.DataType]:
+    """Every aggregate's value type (by its name) and piece type (by :func:`piece_name`)."""
+    types: dict[str, T.DataType] = {}
+    for agg in job.aggregates:
+        types[agg.name] = aggregate_type(agg, schema)
+        types[piece_name(agg)] = piece_type(agg, schema)
+    return types
+
+
 def windowed_fields(job: Job, transformed: T.StructType) -> tuple[list[T.StructField], list[T.StructField]]:
     """(key fields, aggregate fields) of a windowed job."""
     keys = [T.StructField(k, transformed[k].dataType) for k in job.keys]
     return keys, [T.StructField(a.name, aggregate_type(a, transformed)) for a in job.aggregates]
+
+
+def piece_fields(job: Job, transformed: T.StructType) -> list[T.StructField]:
+    """The store's piece columns of a windowed job's aggregates."""
+    return [T.StructField(piece_name(a), piece_type(a, transformed)) for a in job.aggregates]

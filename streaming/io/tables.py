@@ -14,7 +14,7 @@ from pyspark.sql import types as T
 from ..spark.jvm import parse_ddl
 from ..declaration import Job, KeyedJob, Source, Table
 from ..settings import Settings
-from .schemas import QUARANTINE_SCHEMA, late_schema, main_time_column, late_time_column, windowed_fields
+from .schemas import QUARANTINE_SCHEMA, late_schema, main_time_column, late_time_column, piece_fields, windowed_fields
 from .sinks import Sink, sink_for
 from .validation import check_job, transformed_schema
 
@@ -30,11 +30,12 @@ class TableSpec:
 
 def store_schemas(spark, job: Job) -> dict[str, T.StructType]:
     """The incremental store's row schemas of a windowed job (see ``store``)."""
-    keys, aggs = windowed_fields(job, transformed_schema(spark, job))
+    transformed = transformed_schema(spark, job)
+    keys, aggs = windowed_fields(job, transformed)
     window = [T.StructField("ws", T.LongType()), T.StructField("we", T.LongType())]
-    pieces = T.StructType(keys + window + aggs)
-    evals = T.StructType(pieces.fields + [T.StructField("passing", T.BooleanType()), T.StructField("_gone", T.BooleanType()),
-                                          T.StructField("_batch", T.LongType())])
+    pieces = T.StructType(keys + window + piece_fields(job, transformed))  # (the values' pieces)
+    evals = T.StructType(keys + window + aggs + [T.StructField("passing", T.BooleanType()),  # (the values)
+                                                 T.StructField("_gone", T.BooleanType()), T.StructField("_batch", T.LongType())])
     return {"pieces": pieces, "evals": evals}
 
 

@@ -66,6 +66,17 @@ def _check_aggregates(job: WindowedJob, schema: T.StructType) -> None:
                 f"job {job.name}: aggregate {call} sums column {agg.column!r} of type {dtype.simpleString()}; "
                 "sum needs a number (cast it in the transform, or use Agg.min/Agg.max)"
             )
+        if agg.kind in ("avg", "percentile") and not isinstance(dtype, T.NumericType):
+            raise DeclarationError(
+                f"job {job.name}: aggregate {call} reads column {agg.column!r} of type {dtype.simpleString()}; "
+                f"{agg.kind} needs a number (cast it in the transform)"
+            )
+        if agg.kind != "count" and isinstance(dtype, (T.MapType, T.ArrayType, T.StructType, T.BinaryType)) \
+                and agg.kind not in ("first", "last"):
+            raise DeclarationError(
+                f"job {job.name}: aggregate {call} reads column {agg.column!r} of type {dtype.simpleString()}; "
+                f"{agg.kind} needs a plain value (a number, text, date or time)"
+            )
 
 
 def _check_having(job: WindowedJob, spark, window_schema: T.StructType) -> None:

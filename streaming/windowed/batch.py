@@ -49,7 +49,7 @@ from ..spark.jvm import cached_leaf, estimated_bytes, referenced_columns
 from ..spark.metrics import observe, observed, packed
 from ..time import NEG_INF_MS, POS_INF_MS, advance
 from ..windows import WE, WS, Fired, Firing
-from ..io.schemas import aggregate_type
+from ..io.schemas import types_of
 from .aggregates import Aggregates
 
 
@@ -388,17 +388,17 @@ class WindowedBatch:
         key = (self.job.name, self.job.fingerprint(), self.job.transform, tuple(self.job.sources))
         if key not in _TYPES:
             schema = self.windowed().schema
-            _TYPES[key] = {a.name: aggregate_type(a, schema) for a in self.job.aggregates}
+            _TYPES[key] = types_of(self.job, schema)
         return _TYPES[key]
 
     def pieces(self) -> DataFrame:
         """This batch's partial aggregates of on-time events: per window (sessions: per merged interval)."""
         job = self.job
         types = self.types()
-        on_time, columns = once("piece columns", lambda: (~F.col("_late"), [F.col(c) for c in (*job.keys, WS, WE)] + [
-            (F.lit(1) if a.kind == "count" and a.column == "*" else F.col(a.column)).cast(types[a.name]).alias(a.name)
-            for a in job.aggregates]), job)
-        return Aggregates(job, types).merge(select(self.windowed().where(on_time), columns))
+        aggregates = Aggregates(job, types)
+        on_time, columns = once("piece columns", lambda: (
+            ~F.col("_late"), [F.col(c) for c in (*job.keys, WS, WE)] + aggregates.event_columns()), job)
+        return aggregates.merge(select(self.windowed().where(on_time), columns))
 
     # -- firing ----------------------------------------------------------------------------
     def fire(self, watermark_out_ms: int) -> Fired:
@@ -407,7 +407,7 @@ class WindowedBatch:
         aggregates = Aggregates(job, self.types())
         pieces = self.pieces()
         if self.bounded:
-            merged = aggregates.merge(pieces)
+            merged = aggregates.finalized(aggregates.merge(pieces))
             return Fired(rows=aggregates.sink_rows(merged.where(aggregates.passing())))
         fired = job.window.fire(Firing(
             keys=job.keys, lateness_ms=job.watermark.allowed_lateness_ms, watermark_in_ms=self.watermark_in_ms,

@@ -64,7 +64,7 @@ class FixedWindows(Window):
         earlier = f.store.in_range("pieces", lo, hi) if f.store is not None else None
         both = now if earlier is None else earlier.withColumn("_now", F.lit(False)).unionByName(now)
         passing = windows.passing()
-        merged = windows.merge(both, [F.max("_now").alias("_now")])
+        merged = windows.finalized(windows.merge(both, [F.max("_now").alias("_now")]))
         first = as_param(F.col(WE)) > param(w_in)
         store = {"pieces": pieces}
         if not f.upserts:
@@ -74,7 +74,7 @@ class FixedWindows(Window):
         written = windows.upserts(due.where(passing))
         if earlier is None or not f.having:
             return Fired(rows=written, store=store)
-        before = windows.merge(earlier).where(passing).select(*f.keys, WS).withColumn("_was", F.lit(True))
+        before = windows.finalized(windows.merge(earlier)).where(passing).select(*f.keys, WS).withColumn("_was", F.lit(True))
         left = join_keys(due.where(corrected & ~passing), before, [*f.keys, WS], "inner")
         return Fired(rows=written.unionByName(windows.deletes(left)), store=store)
 

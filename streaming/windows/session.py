@@ -71,7 +71,7 @@ class Session(Window):
             # their sessions before this batch, as pieces; those closed for good (end + L <= W_in) are gone
             before = windows.merge(join_keys(earlier, candidates.distinct(), keys, "left_semi"))
             pieces = before.where(as_param(F.col(WE) + F.lit(lateness)) > param(w_in)).unionByName(pieces)
-        sessions = windows.merge(pieces).where(as_param(F.col(WE)) <= param(w_out))
+        sessions = windows.finalized(windows.merge(pieces)).where(as_param(F.col(WE)) <= param(w_out))
         evals = latest_evals(f.store, keys)
         if evals is None:
             judged = sessions.select("*", F.lit(False).alias("_unchanged"), F.array().cast("array<bigint>").alias("_in_sink"),
