@@ -11,7 +11,7 @@ frames alike (column expressions only).
 
 from __future__ import annotations
 
-from functools import reduce
+import re
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
@@ -107,12 +107,12 @@ def _show(raw: Column) -> Column:
 def parse(raw: DataFrame, source: Source, *, barrier: bool = True) -> DataFrame:
     """``raw``'s lines parsed and checked (see the module). ``barrier=False`` for a caller that caches the
     result before filtering it (see below): without the barrier, a 50k-line batch parsed ~10% faster."""
-    first, expand, typed, last = once(("parse", source, PROBLEM in raw.columns, ARRIVAL in raw.columns),
+    by_header = source.format == "csv" and source.header
+    if by_header:
+        raw = with_csv_header(raw, source)
+    first, expand, typed, last = once(("parse", source, PROBLEM in raw.columns, ARRIVAL in raw.columns, HEADER in raw.columns),
                                       lambda: _build(source, raw.columns))
     parsed = select(select(raw, first), expand)
-    if source.format == "csv" and source.header:  # a header line names the fields: not a record, skipped
-        is_header = [F.col(f.name) == F.lit(f.name) for f in source.fields]
-        parsed = parsed.where(~F.coalesce(reduce(lambda a, b: a & b, is_header), F.lit(False)))
     # The result comes out of a Generate (``inline`` of a one-element array: one row out per line), so a
     # filter on it (valid rows, quarantined rows) cannot be pushed below the parse. Pushed through the
     # projections, Spark inlined ``from_json`` and the reason into the filter, parsed every line again,
@@ -143,6 +143,13 @@ def _build(source: Source, columns: list[str]) -> tuple[list[Column], ...]:
              problem.alias(PROBLEM)]
     expand = [F.col(c) for c in ("_raw", "source_file", ARRIVAL, PROBLEM)] + [F.col("_j").isNull().alias("_null"),
                                                                               F.col("_j.*")]
+    if HEADER in columns:  # CSV by its file's header: a field's value is the one in its named column
+        first.append(F.col(HEADER))
+        positional = F.array(*[F.col(f"_j.{f.name}") for f in source.fields])
+        expand = expand[:-1] + [
+            F.when(F.col(HEADER).isNull(), F.col(f"_j.{f.name}"))
+            .otherwise(F.element_at(positional, F.greatest(F.array_position(F.col(HEADER), f.name).cast("int"), F.lit(1)))
+                       ).alias(f.name) for f in source.fields] + [F.col(f"_j.{_CORRUPT}")]
     typed = [F.col("*")] + [_typed(f, F.col(f.name)).alias(f"_typed_{f.name}") for f in source.fields if f.kind != "string"]
     checks: list[Column] = [
         F.col(PROBLEM),
@@ -163,6 +170,84 @@ def _build(source: Source, columns: list[str]) -> tuple[list[Column], ...]:
         reason.alias("_reason"),
     ]
     return first, expand, typed, last
+
+
+HEADER = "_header"  # a CSV line's file's header: its column names (NULL: a file without one, fields by position)
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_HEADERS: dict[str, tuple[str, list[str]] | None] = {}  # per Python worker: file -> its header (files do not change)
+
+
+def header_of(first_line: str, source: Source) -> list[str] | None:
+    """The column names of a CSV file's first line, when that line is a header: every value a name, and at
+    least half the source's fields among them (a data line has numbers, times or ids in it)."""
+    import csv
+
+    line = first_line.lstrip("\ufeff").rstrip("\r\n")
+    try:
+        values = [v.strip() for v in next(csv.reader([line], delimiter=source.delimiter))]
+    except (csv.Error, StopIteration):
+        return None
+    if not values or not all(_IDENTIFIER.match(v) for v in values):
+        return None
+    known = sum(1 for v in values if v in source.field_names)
+    return values if known >= max(1, -(-len(source.fields) // 2)) else None
+
+
+def _read_first_line(path: str) -> str | None:
+    if path.startswith("file:"):
+        path = "/" + path[5:].lstrip("/")
+    try:
+        if "://" in path:
+            import fsspec
+
+            with fsspec.open(path, "rb") as f:
+                data = f.readline(1 << 16)
+        else:
+            with open(path, "rb") as f:
+                data = f.readline(1 << 16)
+    except OSError:
+        return None
+    return data.decode("utf-8", errors="replace")
+
+
+def with_csv_header(raw: DataFrame, source: Source) -> DataFrame:
+    """``raw``'s CSV lines with their file's header (``HEADER``; NULL: the file has none): the first line of
+    each file, read once per file and worker. The header line itself is no record and is dropped; a file
+    whose header lacks a field or names a column the source does not declare is refused: each of its lines,
+    header included, goes to the quarantine with a reason naming them."""
+    import pandas as pd
+    from pyspark.sql.functions import pandas_udf
+
+    def headers(files):
+        lines, names = [], []
+        for path in files:
+            if path not in _HEADERS:
+                first = _read_first_line(path) if isinstance(path, str) else None
+                found = header_of(first, source) if first is not None else None
+                _HEADERS[path] = (first.lstrip("\ufeff").rstrip("\r\n"), found) if found else None
+            got = _HEADERS[path]
+            lines.append(got[0] if got else None)
+            names.append(got[1] if got else None)
+        return pd.DataFrame({"line": lines, "names": names})
+
+    headers.__annotations__ = {"files": pd.Series, "return": pd.DataFrame}  # (this module's annotations are text)
+    headers = pandas_udf(headers, "struct<line string, names array<string>>")
+
+    declared = F.array(*[F.lit(n) for n in source.field_names])
+    named = F.col("_found.names")
+    unknown, missing = F.array_except(named, declared), F.array_except(declared, named)
+    refused = F.when(named.isNotNull() & (F.size(unknown) + F.size(missing) > 0), F.concat(
+        F.lit("CSV header "),
+        F.when(F.size(unknown) > 0, F.concat(F.lit("names unknown column(s) "), F.array_join(unknown, ", "))).otherwise(F.lit("")),
+        F.when((F.size(unknown) > 0) & (F.size(missing) > 0), F.lit(" and ")).otherwise(F.lit("")),
+        F.when(F.size(missing) > 0, F.concat(F.lit("lacks "), F.array_join(missing, ", "))).otherwise(F.lit("")),
+        F.lit(f": the file is refused (its columns must be the fields of {source.name}: {', '.join(source.field_names)})")))
+    problem = F.col(PROBLEM) if PROBLEM in raw.columns else F.lit(None).cast("string")
+    out = raw.select(F.col("*"), headers(F.col("source_file")).alias("_found")).select(
+        *[F.col(c) for c in raw.columns if c != PROBLEM], F.coalesce(problem, refused).alias(PROBLEM),
+        named.alias(HEADER), F.col("_found.line").alias("_header_line"))
+    is_header = F.coalesce(F.col("value") == F.col("_header_line"), F.lit(False))
+    return out.where(~is_header | F.col(PROBLEM).isNotNull()).drop("_header_line")
 
 
 def parse_sources(job, raw: DataFrame, *, barrier: bool = True) -> DataFrame:
