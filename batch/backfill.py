@@ -102,11 +102,11 @@ class Ownership:
 def ownership(spark, settings: Settings, job: Job, lo_ms: int, hi_ms: int, force: bool,
               say: Callable[[str], None]) -> Ownership:
     """Who writes which windows of ``[lo, hi)``: the stream owns every window it may still write (past its
-    final horizon). Without ``force`` such a range is refused. With it, the windows the stream has already
-    written are replaced (a stream that corrects a window later upserts it: its write wins); the windows it
-    still holds open are left to a running stream (it appends them when they close) and written for a stopped
-    one, which then upserts them when it resumes. Keyed outputs have no key to upsert on: they are left to
-    the stream past its watermark, running or not."""
+    final horizon). While the stream runs, such a range is refused without ``force``. Forced, or when the stream
+    is stopped, the windows the stream has already written are replaced (a stream that corrects a window later
+    upserts it: its write wins); the windows it still holds open are left to a running stream (it appends them
+    when they close) and written for a stopped one, which then upserts them when it resumes. Keyed outputs
+    have no key to upsert on: they are left to the stream past its watermark, running or not."""
     from streaming.checkpoint.lease import Lease
 
     horizon = final_horizon_ms(spark, settings, job)
@@ -116,7 +116,7 @@ def ownership(spark, settings: Settings, job: Job, lo_ms: int, hi_ms: int, force
     holder = lease.holder()
     where = iso_ms(from_epoch_ms(horizon)) if is_finite(horizon) else "the beginning (no window is final yet)"
     state = f"running ({holder.describe()})" if holder is not None else "stopped"
-    if not force:
+    if not force and holder is not None:
         raise OwnershipError(
             f"{job.name}: the range ends at {iso_ms(from_epoch_ms(hi_ms))}, but its stream ({state}) may still write "
             f"windows starting after {where} (its watermark minus allowed lateness); backfill an earlier range, or "
@@ -125,11 +125,11 @@ def ownership(spark, settings: Settings, job: Job, lo_ms: int, hi_ms: int, force
     written = final_horizon_ms(spark, settings, job, lateness=False)
     if holder is None and not isinstance(job, KeyedJob):
         lease.acquire("backfill")  # (no stream starts while the range is recorded and written)
-        say(f"{job.name}: forced: its stream is stopped; the windows of the range it still holds open are written "
-            "now, and the stream upserts them when it resumes")
+        say(f"{job.name}: {'forced: ' if force else ''}its stream is stopped; the windows of the range it still holds "
+            "open are written now, and the stream upserts them when it resumes")
         return Ownership(hi_ms, lease, (lo_ms, hi_ms))
     cut = max(lo_ms, min(hi_ms, written))
-    say(f"{job.name}: forced: replacing [{iso_ms(from_epoch_ms(lo_ms))}, {iso_ms(from_epoch_ms(cut))}); "
+    say(f"{job.name}: {'forced: ' if force else ''}replacing [{iso_ms(from_epoch_ms(lo_ms))}, {iso_ms(from_epoch_ms(cut))}); "
         f"{'windows' if not isinstance(job, KeyedJob) else 'outputs'} from {iso_ms(from_epoch_ms(cut))} on are left "
         f"to the {'running' if holder is not None else 'stopped'} stream, which writes them "
         f"{'when they close' if not isinstance(job, KeyedJob) else 'as their elements and timers come'}")

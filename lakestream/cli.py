@@ -155,6 +155,9 @@ def cmd_run(args) -> int:
     from streaming.spark.session import get_spark
 
     names = list(dict.fromkeys(args.job))
+    if args.flush and not args.available_now:
+        raise ConfigError("--flush writes the windows still open when the input ends: use it with --available-now "
+                          "(a continuous stream writes them as its watermark passes them)")
     if args.from_savepoint and len(names) > 1:
         raise ConfigError("--from-savepoint restores one job; run that job alone first (lakestream run JOB "
                           "--from-savepoint ID), then all of them together")
@@ -183,6 +186,7 @@ def cmd_run(args) -> int:
     finally:
         for lease in leases.values():
             lease.release()
+    flushed = {job.name: flush(spark, settings, job) for job in jobs} if args.flush else {}
     for job, report in zip(jobs, reports):
         s = report.stats
         print(
@@ -190,10 +194,36 @@ def cmd_run(args) -> int:
             f"{s.quarantined:,} quarantined, {s.rows_written:,} rows written to {job.sink.name}; "
             f"watermark {describe_watermark(report.totals.watermark_out_ms if report.totals else None)}"
         )
+        if job.name in flushed:
+            print(f"{job.name}: {flushed[job.name]}")
         if report.step_seconds:  # where the batches' time went (inside foreachBatch, summed over the run)
             print(f"{job.name}: time per step: "
                   + ", ".join(f"{step} {seconds:.1f}s" for step, seconds in report.step_seconds.items()))
     return 0
+
+
+def flush(spark, settings, job) -> str:
+    """After an available-now run: write the windows the stream still holds open (Flink's end of bounded input:
+    every window fires), as a backfill of the stopped stream's open range. The stream upserts those windows when
+    it resumes, so a later run stays exactly-once. Keyed jobs' timers fire as their watermark passes them."""
+    from batch.backfill import backfill, final_horizon_ms
+    from streaming.checkpoint.records import EngineState
+    from streaming.declaration import KeyedJob
+    from streaming.time import from_epoch_ms, is_finite, iso_ms
+
+    if isinstance(job, KeyedJob):
+        return "nothing to flush (a keyed job's timers fire as its watermark passes them)"
+    record = EngineState(spark, settings.checkpoint_dir(job.name)).latest_record()
+    latest = record.totals.max_event_time_ms if record is not None else None
+    horizon = final_horizon_ms(spark, settings, job)
+    if latest is None or horizon is None:
+        return "nothing to flush (no events yet)"
+    lo, hi = horizon, latest + 1  # (the first window not yet final; no window starts after the last event)
+    if not is_finite(lo) or lo >= hi:
+        return "nothing to flush (every window is written)"
+    report = backfill(spark, settings, job, from_epoch_ms(lo), from_epoch_ms(hi), progress=None)
+    return (f"flushed the windows still open, starting in [{iso_ms(from_epoch_ms(lo))}, {iso_ms(from_epoch_ms(hi))}): "
+            f"{report.stats.rows_written:,} row(s); a later run corrects them (upserts) as their events arrive")
 
 
 def _range(args):
@@ -355,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--available-now", action="store_true", help="consume what exists, then stop")
     run.add_argument("--trigger-interval", help="micro-batch interval for continuous runs, e.g. 5s")
     run.add_argument("--max-files-per-trigger", type=int)
+    run.add_argument("--flush", action="store_true",
+                     help="with --available-now: at the end of input also write the windows still open (as Flink "
+                          "does for bounded input); a later run corrects them as their events arrive")
     run.add_argument("--from-savepoint", metavar="ID", help="restore the checkpoint and roll the tables back to this savepoint first")
     run.set_defaults(fn=cmd_run)
 

@@ -117,8 +117,8 @@ def bounded_assets(settings: Settings, job: Job, partitions_def) -> dg.AssetsDef
             # The check says why it was not compared (rather than "execution failed"), then the run fails.
             for partition in partitions:
                 yield dg.AssetCheckEvaluation(
-                    asset_key=table_key(declared.sink), check_name=RECONCILIATION, partition=partition, passed=True,
-                    severity=dg.AssetCheckSeverity.WARN,
+                    asset_key=table_key(declared.sink), check_name=RECONCILIATION, partition=partition, passed=False,
+                    severity=dg.AssetCheckSeverity.WARN,  # (a warning, not a green "passed": nothing was compared)
                     description="not compared this time: the backfill was refused because the live stream still "
                                 "writes this day; its tables are unchanged (see the run's failure for the fix)")
             yield dg.Output(None, output_name=check.get_python_identifier())

@@ -67,17 +67,32 @@ def test_backfill_in_delta_equals_the_oracle_and_a_rerun_changes_nothing(spark, 
                               for line in oracle.read_lines(p) if oracle.validate(line) is None)
 
 
-def test_a_backfill_refuses_windows_the_stream_still_owns_unless_forced(spark, small_landing):
+def test_a_backfill_refuses_windows_a_running_stream_still_owns_unless_forced_and_takes_a_stopped_ones(spark, small_landing):
+    """While the stream runs (it holds the job's lease), a range past its final horizon is refused without
+    ``force``; once it has stopped, the backfill writes the windows it holds open and says so (the stream
+    upserts them when it resumes: see test_forced_backfill)."""
+    from streaming.checkpoint.lease import Lease
+
     settings = small_landing.with_job(JOB, max_files_per_trigger=6)
     job = get_job(JOB, settings)
     run_stream(spark, settings, job, available_now=True, progress=None, install_signal_handlers=False)
     horizon = final_horizon_ms(spark, settings, job)
     assert epoch_ms(DAY1) < horizon < epoch_ms(DAY2)
-    with pytest.raises(OwnershipError, match="may still write windows starting after"):
-        backfill(spark, settings, job, DAY1, DAY2, progress=None)
+    running = Lease(settings.checkpoint_dir(JOB), job=JOB).acquire("stream")
+    try:
+        with pytest.raises(OwnershipError, match=r"its stream \(running .*may still write windows starting after"):
+            backfill(spark, settings, job, DAY1, DAY2, progress=None)
+        said = []
+        backfill(spark, settings, job, DAY1, DAY2, progress=said.append, force=True)
+        assert any("forced: replacing" in line and "running stream" in line for line in said), said
+    finally:
+        running.release()
     said = []
-    backfill(spark, settings, job, DAY1, DAY2, progress=said.append, force=True)
-    assert any("forced" in line for line in said)
+    backfill(spark, settings, job, DAY1, DAY2, progress=said.append)  # stopped: no --force needed
+    assert any("its stream is stopped; the windows of the range it still holds open are written now" in line
+               for line in said), said
+    expected = bounded_oracle(Path(settings.landing_dir("payments")), DAY1, DAY2)
+    assert windows_of(job_sinks(spark, settings, job).main.read()) == expected
 
 
 def test_a_backfill_beside_the_live_stream_keeps_both_writers_commits(spark, lake, tmp_path):

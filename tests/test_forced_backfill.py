@@ -119,3 +119,37 @@ def test_reconciliation_fails_on_a_window_the_stream_table_holds_twice(spark, sm
     spark.sql(f"INSERT INTO {job.sink.name} SELECT * FROM {job.sink.name} ORDER BY window_start LIMIT 1")
     report = reconcile(spark, settings, job, DAY, NEXT_DAY, progress=None, record=False)
     assert report.unexplained == 1 and "written 2 times by the stream" in report.examples[0]
+
+
+def test_run_with_flush_writes_the_windows_still_open_and_a_later_run_corrects_them_exactly_once(spark, lake, tmp_path):
+    """``lakestream run --available-now --flush``: at the end of input every window is in the table (Flink's end
+    of bounded input), and a later run over more input corrects the flushed windows instead of adding them again."""
+    from batch.backfill import final_horizon_ms
+    from lakestream.cli import flush
+
+    settings = lake.with_job(JOB, max_files_per_trigger=K)
+    job = get_job(JOB, settings)
+    landing, files = _staged(settings, tmp_path)
+    half = len(files) // 2
+    _arrive(files[:half], landing)
+    run_stream(spark, settings, job, available_now=True, progress=None, install_signal_handlers=False)
+    horizon = final_horizon_ms(spark, settings, job)
+    said = flush(spark, settings, job)
+    assert said.startswith("flushed the windows still open"), said
+    # the windows the stream wrote, and every window it held open as the bounded twin computes it, each once
+    stream = oracle.replay_stream([[line for p in oracle.files_in_arrival_order(landing)[i:i + K]
+                                    for line in oracle.read_lines(p)] for i in range(0, half, K)])
+    flushed = {k: v for k, v in _bounded(landing).items() if k[1] >= horizon}
+    assert flushed and table_windows(spark) == {**flushed, **stream.closed}
+
+    _arrive(files[half:], landing)
+    run_stream(spark, settings, job, available_now=True, progress=None, install_signal_handlers=False)
+    flush(spark, settings, job)
+    stream = oracle.replay_stream([[line for p in oracle.files_in_arrival_order(landing)[i:i + K]
+                                    for line in oracle.read_lines(p)] for i in range(0, len(files), K)])
+    horizon = final_horizon_ms(spark, settings, job)
+    bounded = _bounded(landing)
+    expected = {**{k: v for k, v in bounded.items() if k[1] >= horizon}, **stream.closed}
+    assert table_windows(spark) == expected  # (fails on a window in the table twice)
+    assert flush(spark, settings, job).startswith("flushed")  # a flush again changes nothing
+    assert table_windows(spark) == expected
