@@ -74,12 +74,31 @@ def _generator_config(args):
 def cmd_new(args) -> int:
     from .scaffold import scaffold
 
-    files = scaffold(args.folder, args.format)
+    files = scaffold(args.folder, args.format, bare=args.bare)
     root = files[0].parent
-    print(f"created {root} ({len(files)} files): sources.py, jobs/events_per_user.py, generate.py, tests/, lakestream.yaml")
-    print(f"next:\n  cd {args.folder}\n  lakestream --config lakestream.yaml generate && "
-          "lakestream --config lakestream.yaml run events_per_user --available-now\n  python -m pytest tests")
+    lakestream = _command()
+    if args.bare:
+        print(f"created {root} ({len(files)} files): sources.py, jobs/events_per_key.py, tests/, lakestream.yaml, "
+              "definitions.py (a skeleton: give the source your fields, the job your keys and aggregates)")
+        print(f"next:\n  cd {args.folder}\n  python -m pytest tests\n  {lakestream} --config lakestream.yaml run "
+              "events_per_key --available-now")
+        return 0
+    print(f"created {root} ({len(files)} files): sources.py, jobs/events_per_user.py, generate.py, tests/, lakestream.yaml, "
+          "definitions.py (README.md says which are examples and how to replace them)")
+    print(f"next:\n  cd {args.folder}\n  {lakestream} --config lakestream.yaml generate && "
+          f"{lakestream} --config lakestream.yaml run events_per_user --available-now\n  python -m pytest tests")
     return 0
+
+
+def _command() -> str:
+    """How to call lakestream from another folder: ``lakestream`` when the shell finds this one, else its path."""
+    import shutil
+
+    mine = os.path.realpath(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    found = shutil.which("lakestream")
+    if mine and found and os.path.realpath(found) == mine:
+        return "lakestream"
+    return mine if mine and os.path.basename(mine) == "lakestream" else "lakestream"
 
 
 def _project_generate(settings) -> int | None:
@@ -372,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     new = sub.add_parser("new", help="create a project of your own: a source, a job, sample data, a test")
     new.add_argument("folder", help="the new project's folder (its name is the package name)")
     new.add_argument("--format", default="csv", choices=("csv", "json"), help="the source's landing format")
+    new.add_argument("--bare", action="store_true", help="one source and one job skeleton, without sample data")
     new.set_defaults(fn=cmd_new)
 
     gen = sub.add_parser("generate", help="write sample events to the landing zone (payments and logins, or "

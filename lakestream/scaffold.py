@@ -182,7 +182,8 @@ def test_{job}_stream_and_twin(tmp_path):
     assert harness.reconcile().unexplained == 0
 '''
 
-SETTINGS = '''# lakestream settings of {name} (paths are relative to where you run lakestream: ./.lake by default)
+SETTINGS = '''# lakestream settings of {name} (relative paths are relative to this file)
+home: .lake                 # the lake home: tables, checkpoints, landing (LAKESTREAM_HOME wins when set)
 project: .                  # this folder: its sources.py and jobs/
 # landing: /data/landing    # where the sources' folders are (default: $LAKESTREAM_HOME/landing)
 # format: delta             # table format (default: iceberg)
@@ -201,25 +202,147 @@ lakestream --config lakestream.yaml generate && lakestream --config lakestream.y
 python -m pytest tests
 ```
 
+(`lakestream` is the command of the virtualenv lakestream is installed in: activate it, or call it by its path,
+e.g. `~/lakestream/.venv/bin/lakestream`.)
+
 The first command writes sample files into the landing folder and streams them into
 `lake.{namespace}.{job}` (Iceberg tables under `./.lake`, late events in `{job}_late`, bad records in
 `lake.quarantine.{source}`); the second runs the job's test with lakestream's harness (`lakestream.testing`).
 Then, with the same `--config`: `backfill {job} --start 2026-11-20 --end 2026-11-21`,
-`reconcile ...`, `savepoint create {job}`, `checkpoint inspect {job}`; the Dagster UI shows the
-project with `LAKESTREAM_CONFIG=$PWD/lakestream.yaml dagster dev -m orchestration.definitions`.
+`reconcile ...`, `savepoint create {job}`, `checkpoint inspect {job}`. The Dagster UI shows the project
+(with its history kept under `./.lake/dagster`):
+
+```bash
+export LAKESTREAM_CONFIG=$PWD/lakestream.yaml DAGSTER_HOME=$PWD/.lake/dagster && mkdir -p $DAGSTER_HOME
+dagster dev -f definitions.py
+```
 
 Layout:
 
 - `sources.py` — the source declarations (fields and rules, format, event time, dedup key);
 - `jobs/` — one module per job, each defining `JOB` (a `WindowedJob` or a `KeyedJob`);
-- `generate.py` — sample data (`lakestream generate` calls its `generate(landing)`);
+- `definitions.py` — the project's Dagster definitions (assets, checks, sensors, schedules, lineage);
+- `generate.py` — sample data (`lakestream generate` calls its `generate(landing)`): an example;
 - `tests/` — the job's test;
-- `lakestream.yaml` — settings (`project: .` names this folder).
+- `lakestream.yaml` — settings (`project: .` names this folder, `home: .lake` the lake home beside it: relative
+  paths in it are relative to this file, wherever you run lakestream from).
+
+## Making it your own
+
+Everything here but `lakestream.yaml` and `definitions.py` is an example to replace:
+
+1. **Your source**: in `sources.py`, rename `EVENTS` and give it your fields (their names, types and rules),
+   its `event_time` and `dedup_key` fields, its format and folder. A CSV file may start with a header line:
+   columns are then matched to fields by name, in any order.
+2. **Your job**: replace `jobs/{job}.py` (or add modules next to it; each defines `JOB`). It imports the
+   source from `..sources`: import yours. Keys, window, watermark, transform and aggregates are declared
+   there (`Agg.count/sum/min/max/avg/count_distinct/first/last/percentile`).
+3. **Its test**: `tests/test_{job}.py` streams a few records through the job with `JobHarness` and checks
+   the result against plain Python: write yours for your job (the records are text lines of your format).
+4. **The sample data**: delete `generate.py` once real files land in `<landing>/<your source>/`
+   (`lakestream generate` then has nothing to write for this project).
+5. **Settings**: in `lakestream.yaml`, name your job in the `jobs:` block if it needs settings of its own
+   (a job name the project does not have is refused).
+
+`lakestream new NAME --bare` writes the same layout with one source and one job skeleton, without sample
+data.
+'''
+
+BARE_SOURCES = '''"""{name}'s sources: what lands in the landing zone, in which format, with which rules."""
+
+from streaming.declaration import Field, Source
+
+EVENTS = Source(
+    name="{source}",
+    format="{format}",{csv_options}
+    event_time="event_time",  # a timestamp field: when the event happened
+    dedup_key="event_id",     # a field that identifies an event (a re-delivery counts once)
+    fields=(
+        Field("event_id", "string"),
+        Field("event_time", "timestamp"),
+        Field("key", "string"),
+        # your fields, e.g. Field("amount", "decimal(18,2)"), Field("site", "enum", choices=("north", "south"))
+    ),
+)
+'''
+
+BARE_JOB = '''"""{job}: per key, 1-minute windows: how many events."""
+
+from datetime import timedelta
+
+from streaming.declaration import Agg, Table, Watermark, WindowedJob
+from streaming.windows import Tumbling
+
+from ..sources import EVENTS
+
+JOB = WindowedJob(
+    name="{job}",
+    sources=(EVENTS,),
+    keys=("key",),
+    window=Tumbling(size=timedelta(minutes=1)),
+    watermark=Watermark(out_of_orderness=timedelta(seconds=10)),
+    transform=lambda events: events,  # the columns the aggregates read (keep the key, event time and dedup key)
+    aggregates=(Agg.count("events"),),
+    sink=Table("lake.{namespace}.{job}"),
+)
+'''
+
+BARE_TEST = '''"""{job} with lakestream's test harness, against plain Python."""
+
+from pathlib import Path
+
+from streaming.project import load
+from lakestream.testing import JobHarness
+
+JOB = load(str(Path(__file__).resolve().parents[1])).jobs["{job}"]
+
+
+def test_{job}(tmp_path):
+    lines = [{lines}]
+    out = JobHarness(JOB, tmp_path).stream([lines[:2], lines[2:]])
+    # the window 12:00-12:01 closes once the watermark (newest event - 10 s) passes 12:01
+    assert {{(r.key, r.events) for r in out.main.itertuples()}} == {{("k-1", 2)}}
+'''
+
+BARE_README = '''# {name}
+
+A lakestream project skeleton: one source (`{source}`, {format_text} files in `<landing>/{source}/`) in
+`sources.py`, one windowed job in `jobs/{job}.py`, its test in `tests/`, settings in `lakestream.yaml`,
+Dagster definitions in `definitions.py`. Give the source your fields, the job your keys and aggregates,
+and the test your records; then:
+
+```bash
+python -m pytest tests
+lakestream --config lakestream.yaml run {job} --available-now
+```
+'''
+
+DEFINITIONS = '''"""{name}'s Dagster definitions: this project's jobs as assets (streams, tables, checks, sensors, schedules,
+lineage), with this project's settings (its lakestream.yaml; no LAKESTREAM_* variable is needed).
+
+    dagster dev -f definitions.py      (or a code location of a workspace: python_file: <folder>/definitions.py)
+"""
+
+from pathlib import Path
+
+from orchestration.definitions import definitions_for
+
+defs = definitions_for(config=Path(__file__).with_name("lakestream.yaml"))
 '''
 
 
-def scaffold(folder: str | Path, fmt: str = "csv") -> list[Path]:
-    """Write a new project into ``folder`` (which must not exist or be empty); return the files written."""
+# pyspark 3.5 calls pandas and distutils APIs that announce their deprecation (a hundred lines per test run):
+# they are not the project's warnings, and hid its own
+PYTEST_INI = """[pytest]
+# pyspark 3.5 calls pandas and distutils APIs that announce their own deprecation: not this project's warnings
+filterwarnings =
+    ignore::DeprecationWarning:pyspark
+"""
+
+
+def scaffold(folder: str | Path, fmt: str = "csv", bare: bool = False) -> list[Path]:
+    """Write a new project into ``folder`` (which must not exist or be empty); return the files written.
+    ``bare``: one source and one job skeleton, without sample data."""
     root = Path(folder).expanduser().resolve()
     name = root.name
     if not name.isidentifier():
@@ -229,7 +352,7 @@ def scaffold(folder: str | Path, fmt: str = "csv") -> list[Path]:
         raise ConfigError(f"--format must be csv or json, got {fmt!r}")
     if root.exists() and any(root.iterdir()):
         raise ConfigError(f"{root} exists and is not empty; choose a new folder")
-    job, source, namespace = "events_per_user", "events", name.lower()
+    job, source, namespace = ("events_per_key" if bare else "events_per_user"), "events", name.lower()
     csv = fmt == "csv"
     values = {
         "name": name, "job": job, "source": source, "namespace": namespace, "format": fmt,
@@ -237,19 +360,24 @@ def scaffold(folder: str | Path, fmt: str = "csv") -> list[Path]:
         "record_text": CSV_RECORD if csv else JSON_RECORD,
         "ext": "csv" if csv else "jsonl", "header": '",".join(COLUMNS), ' if csv else "",
         "format_text": "CSV (with a header line)" if csv else "JSON lines",
+        "lines": ", ".join(repr(line) for line in _bare_lines(csv)),
     }
     files = {
         "__init__.py": f'"""{name}: a lakestream project (see README.md)."""\n',
-        "sources.py": SOURCES.format(**values),
         "jobs/__init__.py": "",
-        f"jobs/{job}.py": JOB.format(**values),
-        "generate.py": GENERATE.format(**values),
         "tests/__init__.py": "",
-        f"tests/test_{job}.py": TEST.format(**values),
+        "definitions.py": DEFINITIONS.format(**values),
         "lakestream.yaml": SETTINGS.format(**values),
-        "README.md": README.format(**values),
         ".gitignore": ".lake/\n__pycache__/\n",
+        "pytest.ini": PYTEST_INI,
     }
+    if bare:
+        files.update({"sources.py": BARE_SOURCES.format(**values), f"jobs/{job}.py": BARE_JOB.format(**values),
+                      f"tests/test_{job}.py": BARE_TEST.format(**values), "README.md": BARE_README.format(**values)})
+    else:
+        files.update({"sources.py": SOURCES.format(**values), f"jobs/{job}.py": JOB.format(**values),
+                      "generate.py": GENERATE.format(**values), f"tests/test_{job}.py": TEST.format(**values),
+                      "README.md": README.format(**values)})
     written = []
     for rel, text in files.items():
         path = root / rel
@@ -257,3 +385,12 @@ def scaffold(folder: str | Path, fmt: str = "csv") -> list[Path]:
         path.write_text(text)
         written.append(path)
     return written
+
+
+def _bare_lines(csv: bool) -> list[str]:
+    """The bare test's records: two events of k-1 in the first minute, then one that moves the watermark."""
+    records = [("e-1", "2026-11-20T12:00:05Z", "k-1"), ("e-2", "2026-11-20T12:00:40Z", "k-1"),
+               ("e-3", "2026-11-20T12:01:30Z", "k-2")]
+    if csv:
+        return [",".join(r) for r in records]
+    return ['{"event_id": "%s", "event_time": "%s", "key": "%s"}' % r for r in records]

@@ -24,6 +24,8 @@ Precedence (highest first): environment variables, the YAML file, defaults.
 
 YAML keys (all optional)::
 
+    home: .lake                       # the lake home, relative to this file (LAKESTREAM_HOME wins; default ./.lake
+                                      # relative to the folder lakestream runs in)
     project: ../my_project            # your sources and jobs (a folder, relative to this file, or a module);
                                       # default: the built-in example project (payments, logins)
     landing: /data/landing            # each path defaults to a folder under home
@@ -70,7 +72,7 @@ import yaml
 from .time import parse_duration
 from .errors import ConfigError
 
-_TOP_KEYS = {"project", "landing", "warehouse", "delta_root", "checkpoints", "savepoints", "spark", "iceberg", "delta", "format",
+_TOP_KEYS = {"home", "project", "landing", "warehouse", "delta_root", "checkpoints", "savepoints", "spark", "iceberg", "delta", "format",
              "partitions_start", "jobs", "storage_options"}
 _JOB_KEYS = {"out_of_orderness", "allowed_lateness", "trigger_interval", "max_files_per_trigger", "dedup_ttl", "format"}
 FORMATS = ("iceberg", "delta")
@@ -135,11 +137,15 @@ class Settings:
         """Read settings from ``environ`` (default ``os.environ``) and the YAML file (``config_file``, else
         ``LAKESTREAM_CONFIG``); ``home`` overrides ``LAKESTREAM_HOME``."""
         env = os.environ if environ is None else environ
-        home = Path(home or env.get("LAKESTREAM_HOME") or ".lake").expanduser().resolve()
         path = config_file or env.get("LAKESTREAM_CONFIG")
+        data = _read_yaml(Path(path)) if path else {}
+        given = home or env.get("LAKESTREAM_HOME")
+        if not given and path and data.get("home"):  # (a settings file's home is relative to the file)
+            given = Path(path).expanduser().resolve().parent / str(data["home"])
+        home = Path(given or ".lake").expanduser().resolve()
         if path is None and (home / "lakestream.yaml").exists():
             path = home / "lakestream.yaml"
-        data = _read_yaml(Path(path)) if path else {}
+            data = _read_yaml(path)
         unknown = set(data) - _TOP_KEYS
         if unknown:
             raise ConfigError(

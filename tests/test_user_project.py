@@ -426,6 +426,7 @@ def test_lakestream_new_makes_a_project_whose_test_passes_and_which_the_cli_runs
     tested = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=project,
                             env=env, capture_output=True, text=True, timeout=900)
     assert tested.returncode == 0 and "1 passed" in tested.stdout, tested.stdout[-3000:] + tested.stderr[-2000:]
+    assert "warning" not in tested.stdout.strip().splitlines()[-1], tested.stdout[-3000:]  # (a clean run: no noise)
     config = ["--config", "lakestream.yaml"]
     assert "10 file(s)" in cli(*config, "generate", cwd=project)
     ran = cli(*config, "run", "events_per_user", "--available-now", cwd=project)
