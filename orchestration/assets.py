@@ -25,8 +25,9 @@ RECONCILIATION = "reconciliation"
 
 
 class BoundedConfig(dg.Config):
-    force: bool = Field(False, description="Also replace windows the live stream may still write (as "
-                        "`lakestream backfill --force`): the stream's later writes to them win.")
+    force: bool = Field(False, description="Backfill days whose windows a running stream may still write (without "
+                        "it, such days are refused while the stream runs; a stopped stream's are backfilled): the "
+                        "stream's later writes to them win.")
 
 
 def _materialization_of(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition: str):

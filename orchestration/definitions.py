@@ -3,6 +3,8 @@ schedules and resources. A new job module needs no edit here."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import dagster as dg
 
 from streaming.project import current, registry
@@ -18,8 +20,9 @@ from .streams import stream_job, streams_job
 from .tables import landing_assets, landing_sources, partitions, quarantine_spec, stream_spec
 
 
-def build_definitions(settings: Settings | None = None, home: str | None = None) -> dg.Definitions:
-    lakestream = LakestreamResource(home=home)
+def build_definitions(settings: Settings | None = None, home: str | None = None,
+                      config_file: str | None = None) -> dg.Definitions:
+    lakestream = LakestreamResource(home=home, config_file=config_file)
     settings = settings or lakestream.settings()
     project = current(settings)
     jobs = list(registry(settings).values())  # resolved once (the deployment's overrides applied), passed on
@@ -40,9 +43,29 @@ def build_definitions(settings: Settings | None = None, home: str | None = None)
                                      description="dbt build of the marts (models and their tests)")] if marts else [])],
         sensors=[health_sensor(jobs), supervisor_sensor(jobs, streams)],
         schedules=[savepoint_schedule(savepoints), backfill_schedule],
-        resources={"lakestream": lakestream, "pyspark": pyspark_resource(settings, home),
+        resources={"lakestream": lakestream, "pyspark": pyspark_resource(settings, home, config_file),
                    **({"dbt": dbt} if dbt else {})},
     )
+
+
+def definitions_for(config: str | Path, home: str | Path | None = None) -> dg.Definitions:
+    """The Dagster definitions of the project a ``lakestream.yaml`` names, as a code location of its own (what
+    ``lakestream new`` writes into ``definitions.py``): its settings are that file's, its lake home ``home``
+    (default: ``.lake`` beside the file), and no LAKESTREAM_* variable reaches it, so several projects (the
+    built-in example among them) sit side by side in one workspace, each with its assets, checks, sensors,
+    schedules and lineage."""
+    config = Path(config).expanduser().resolve()
+    if not config.is_file():
+        from streaming.errors import ConfigError
+
+        raise ConfigError(f"{config} does not exist: definitions_for takes the project's lakestream.yaml")
+    lake = str(Path(home).expanduser().resolve()) if home else None  # (else the file's home: key, or .lake beside it)
+    if lake is None:
+        import yaml
+
+        named = (yaml.safe_load(config.read_text()) or {}).get("home")
+        lake = str((config.parent / str(named or ".lake")).resolve())
+    return build_definitions(home=lake, config_file=str(config))
 
 
 @dg.definitions

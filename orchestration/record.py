@@ -36,13 +36,32 @@ concurrency:
         value:
           applyLimitPerUniqueValue: true
         limit: 1
+# Run monitoring (the daemon): a run stuck starting or canceling is failed after 3 minutes. A stream run whose
+# process died is marked failed by the code server that launched it, or else by lakestream's supervisor,
+# which then starts the stream again (a new run: the checkpoint resumes it exactly-once); Dagster's own
+# resume of a run is off, as the default run launcher cannot resume one.
+run_monitoring:
+  enabled: true
+  start_timeout_seconds: 180
+  cancel_timeout_seconds: 180
+  max_resume_run_attempts: 0
+  poll_interval_seconds: 30
 """
 
 
 
-def ensure_dagster_yaml(dagster_home: str | None = None) -> str:
+POSTGRES_STORAGE = """\
+# Run, event-log and schedule storage in PostgreSQL (dagster-postgres).
+storage:
+  postgres:
+    postgres_url: {url}
+"""
+
+
+def ensure_dagster_yaml(dagster_home: str | None = None, postgres_url: str | None = None) -> str:
     """Write ``$DAGSTER_HOME/dagster.yaml`` unless one exists, and create the instance's storage;
-    returns the yaml's path. Call it before starting Dagster's processes (``make ui`` does)."""
+    returns the yaml's path. Call it before starting Dagster's processes (``make ui`` does).
+    ``postgres_url``: the instance keeps its storage in PostgreSQL (a deployment) instead of SQLite files."""
     home = dagster_home or os.environ.get("DAGSTER_HOME")
     if not home:
         raise SystemExit("DAGSTER_HOME is not set; run `make ui` (it sets $LAKESTREAM_HOME/dagster) or export it")
@@ -50,7 +69,7 @@ def ensure_dagster_yaml(dagster_home: str | None = None) -> str:
     path = os.path.join(home, "dagster.yaml")
     if not os.path.exists(path):
         with open(path, "w") as out:
-            out.write(DAGSTER_YAML)
+            out.write(DAGSTER_YAML + (POSTGRES_STORAGE.format(url=postgres_url) if postgres_url else ""))
     else:
         with open(path) as existing:
             if STREAM_TAG not in existing.read():

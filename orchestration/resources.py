@@ -19,10 +19,12 @@ class LakestreamResource(dg.ConfigurableResource):
     """Where the lakehouse lives: ``home`` (default $LAKESTREAM_HOME or ./.lake) and an optional YAML file."""
 
     home: str | None = None
+    # A code location of its own (``definitions_for``) names its file: its settings then come from that file and
+    # its home alone, not from LAKESTREAM_* variables another location may need set otherwise.
     config_file: str | None = None
 
     def settings(self) -> Settings:
-        return Settings.load(config_file=self.config_file, home=self.home)
+        return load_settings(self.config_file, self.home)
 
     def spark(self, pyspark: LazyPySparkResource):
         """The run's SparkSession, built by dagster-pyspark from lakestream's conf, after lakestream's
@@ -46,13 +48,24 @@ class LakestreamPySpark(LazyPySparkResource):
     spark_config: dict[str, Any] = Field(default_factory=dict, description="Spark settings that override "
                                          "lakestream's (which come from lakestream.yaml / LAKESTREAM_* variables)")
     home: str | None = Field(None, description="LAKESTREAM_HOME for the conf (default: the environment's)")
+    config_file: str | None = Field(None, description="the location's lakestream.yaml (default: the environment's; "
+                                    "given, LAKESTREAM_* variables are ignored)")
 
     def _init_session(self) -> None:
         if self._spark_session is None:
-            settings = LakestreamResource(home=self.home).settings()
+            settings = load_settings(self.config_file, self.home)
             self._spark_session = spark_session_from_config({**spark_conf(settings), **self.spark_config})
 
 
-def pyspark_resource(settings: Settings, home: str | None = None) -> LazyPySparkResource:
+def pyspark_resource(settings: Settings, home: str | None = None, config_file: str | None = None) -> LazyPySparkResource:
     """dagster-pyspark's resource with exactly the conf lakestream's own builder uses."""
-    return LakestreamPySpark(home=home)
+    return LakestreamPySpark(home=home, config_file=config_file)
+
+
+def load_settings(config_file: str | None, home: str | None) -> Settings:
+    """A location's settings: from the environment (LAKESTREAM_*), or, given a ``config_file`` (a code location of
+    its own), from that file and ``home`` only."""
+    import os
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("LAKESTREAM_")} if config_file else None
+    return Settings.load(environ, config_file=config_file, home=home)

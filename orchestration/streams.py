@@ -84,10 +84,12 @@ class DesiredState:
 class MaterializationReporter:
     """Turns batch results (from Spark's batch thread) into merged materializations (main thread)."""
 
-    def __init__(self, context: dg.OpExecutionContext, job: Job, versions, every_s: float):
+    def __init__(self, context: dg.OpExecutionContext, job: Job, versions, every_s: float, quarantine_sinks=None):
         self.context = context
         self.job = job
         self.versions = versions  # table name -> callable giving the table's current version
+        # quarantine table name -> its sink: a batch that quarantines lines says which, and why, as a warning
+        self.quarantine_sinks = dict(quarantine_sinks or {})
         self.every_s = every_s
         self.inbox: queue.Queue[BatchResult] = queue.Queue()
         self.pending: dict[tuple[str, str | None], dict] = {}
@@ -119,39 +121,76 @@ class MaterializationReporter:
             f"{self.job.name} batch {result.batch_id}: {s.lines:,} lines, {s.events:,} events, {s.late:,} late, "
             f"{s.quarantined:,} quarantined, {s.rows_written:,} rows written in {result.seconds:.2f}s; "
             f"watermark {describe_watermark(watermark)}")
+        samples = self._quarantined(result) if s.quarantined else []
         for table, write in result.tables.items():
             days = day_keys(write.first_ms, write.last_ms, self.partitions_def) or [None]
             for day in days:
                 entry = self.pending.setdefault((table, day), {"batches": [], "rows_written": 0, "rows_in": 0,
-                                                               "seconds": 0.0})
+                                                               "seconds": 0.0, "late": 0, "quarantined": 0,
+                                                               "samples": []})
                 entry["batches"].append(result.batch_id)
                 entry["rows_written"] += write.rows  # of the batch, over every partition it touched
                 entry["rows_in"] += s.lines
                 entry["seconds"] += result.seconds
+                entry["late"] += s.late  # (summed over the merged batches, as the rows are)
+                entry["quarantined"] += s.quarantined
+                if table in self.quarantine_sinks:
+                    entry["samples"] = (entry["samples"] + samples)[:5]
                 entry.update(
-                    watermark=watermark, state_rows=state_rows, late=s.late, quarantined=s.quarantined,
-                    input_rate=float(progress.get("inputRowsPerSecond") or 0.0),
-                    processing_rate=float(progress.get("processedRowsPerSecond") or 0.0),
+                    watermark=watermark, state_rows=state_rows,
+                    input_rate=float(progress.get("inputRowsPerSecond") or 0.0),  # (Spark has none for a first batch)
                     lag_s=max(0.0, (now_ms - watermark) / 1000) if is_finite(watermark) else 0.0,
                     complete=day is None or _day_complete(day, watermark),
                 )
 
+    def _quarantined(self, result: BatchResult) -> list[str]:
+        """The batch's quarantined lines, a few, as "<file>: <reason>", logged as a warning (a bad file in the
+        landing zone is news, not a detail of an INFO line)."""
+        found = []
+        for table, sink in self.quarantine_sinks.items():
+            if table not in result.tables:
+                continue
+            try:
+                rows = sink.read().where(f"batch_id = {int(result.batch_id)} AND detected_by = '{self.job.name}'") \
+                    .select("source_file", "reason", "occurrences").limit(5).collect()
+            except Exception as exc:  # noqa: BLE001 - a report, never a reason to fail the stream
+                self.context.log.warning(f"{self.job.name} batch {result.batch_id}: lines quarantined in {table} "
+                                         f"(could not read them back: {type(exc).__name__})")
+                continue
+            for r in rows:
+                name = (r.source_file or "?").rsplit("/", 1)[-1]
+                found.append(f"{name}: {r.reason}" + (f" (x{r.occurrences})" if r.occurrences and r.occurrences > 1 else ""))
+        if found:
+            self.context.log.warning(
+                f"{self.job.name} batch {result.batch_id}: {result.stats.quarantined:,} line(s) quarantined: "
+                + "; ".join(found) + ("; ..." if result.stats.quarantined > len(found) else ""))
+        return found
+
     def flush(self) -> None:
         for (table, day), e in self.pending.items():
             version = self.versions[table]()
+            batches = {"batches": f"{e['batches'][0]}..{e['batches'][-1]}", "batch_count": len(e["batches"]),
+                       "table_version": str(version) if version is not None else "empty"}
+            if table in self.quarantine_sinks:  # a quarantine table: its lines, and which files and why
+                metadata = {**batches, "rows_written": e["rows_written"],  # (a row per distinct line of a file)
+                            "examples": dg.MetadataValue.md("\n".join(f"- {x}" for x in e["samples"]) or "-")}
+                self.context.log_event(dg.AssetMaterialization(
+                    asset_key=table_key(table), partition=day, metadata=metadata,
+                    description="; ".join(e["samples"][:2]) or None))
+                continue
             metadata = {
-                "batches": f"{e['batches'][0]}..{e['batches'][-1]}", "batch_count": len(e["batches"]),
-                "rows_in": e["rows_in"], "rows_written": e["rows_written"], "late_events": e["late"],
+                **batches, "rows_in": e["rows_in"], "rows_written": e["rows_written"], "late_events": e["late"],
                 "quarantined_lines": e["quarantined"],
-                "input_rows_per_s": round(e["input_rate"], 1), "processed_rows_per_s": round(e["processing_rate"], 1),
+                "processed_rows_per_s": round(e["rows_in"] / e["seconds"], 1) if e["seconds"] else 0.0,
                 "batch_seconds": round(e["seconds"] / len(e["batches"]), 2),
                 "watermark": describe_watermark(e["watermark"]),
                 "watermark_lag_s": round(e["lag_s"], 1), "state_rows": e["state_rows"],
-                "table_version": str(version) if version is not None else "empty",
                 # a day the watermark has not passed yet is still being written: say so (Dagster shows it
                 # materialized either way)
                 "day_complete": e["complete"],
             }
+            if e["input_rate"] > 0:  # (the rate input arrived at, as Spark measured it between triggers)
+                metadata["input_rows_per_s"] = round(e["input_rate"], 1)
             if is_finite(e["watermark"]):
                 metadata["watermark_time"] = dg.MetadataValue.timestamp(e["watermark"] / 1000)
             self.context.log_event(dg.AssetMaterialization(
@@ -166,7 +205,7 @@ class MaterializationReporter:
             self.context.log_event(dg.AssetObservation(asset_key=stream_key(self.job), metadata={
                 "last_batch": batches[-1], "batches": len(batches),
                 "input_rows_per_s": round(latest["input_rate"], 1),
-                "processed_rows_per_s": round(latest["processing_rate"], 1),
+                "processed_rows_per_s": round(latest["rows_in"] / latest["seconds"], 1) if latest["seconds"] else 0.0,
                 "batch_seconds": round(latest["seconds"] / len(latest["batches"]), 2),
                 "watermark_lag_s": round(latest["lag_s"], 1), "state_rows": latest["state_rows"],
                 "late_events": latest["late"], "quarantined_lines": latest["quarantined"],
@@ -294,7 +333,7 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
     for job in declared:
         sinks = job_sinks(spark, settings, job)
         reporters[job.name] = MaterializationReporter(context, job, {t.table.name: t.version for t in sinks.all()},
-                                                      every_s)
+                                                      every_s, {q.table.name: q for q in sinks.quarantine.values()})
         reporters[job.name].partitions_def = partitions_def
 
     def flush_all() -> None:

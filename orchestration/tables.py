@@ -12,7 +12,7 @@ import dagster as dg
 
 from streaming.checkpoint.inspect import inspect_checkpoint
 from streaming.checkpoint.tree import landing_files
-from streaming.declaration import Job, Source, Table
+from streaming.declaration import Job, KeyedJob, Source, Table
 from streaming.io.sources import kind_of
 from streaming.settings import Settings
 
@@ -124,7 +124,26 @@ def table_spec(settings: Settings, job: Job, table: Table, role: str, partitions
         table_key(table), deps=[*[input_key(s) for s in job.sources], stream_key(job)], description=what,
         group_name=table.domain, owners=[f"team:{job.owner}"], kinds={fmt, "spark"}, metadata=metadata,
         partitions_def=partitions_def, tags={"lakestream/role": role},
+        freshness_policy=freshness_policy(settings, job) if role == "main" else None,
     )
+
+
+MATERIALIZE_EVERY_S = 10  # (the stream run's default merge interval of materializations: streams.StreamConfig)
+
+
+def freshness_policy(settings: Settings, job: Job) -> dg.FreshnessPolicy | None:
+    """Dagster's freshness policy of a windowed job's main table, evaluated by Dagster's daemon. A window is
+    written once the watermark passes its end, so a running stream with steady input adds rows every window
+    step (sessions: gap), plus the out-of-orderness, the trigger and the merge of materializations: a warning
+    after that, a failure after twice that. A stream that commits batches without moving its watermark writes
+    no window and refreshes nothing: the policy follows event time, not commits. Keyed jobs write when their
+    events and timers call for it: no cadence to expect, no policy."""
+    if isinstance(job, KeyedJob):
+        return None
+    trigger = settings.job(job.name).trigger_interval
+    expected = timedelta(milliseconds=job.window.cadence_ms + job.watermark.out_of_orderness_ms) \
+        + (trigger or timedelta(0)) + timedelta(seconds=MATERIALIZE_EVERY_S + 30)
+    return dg.FreshnessPolicy.time_window(fail_window=2 * expected, warn_window=expected)
 
 
 def quarantine_spec(settings: Settings, source: Source) -> dg.AssetSpec:

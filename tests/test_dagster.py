@@ -105,6 +105,7 @@ def test_a_stream_run_records_a_materialization_per_batch_and_partition(spark, s
         observed = [e.event_specific_data.asset_observation for e in result.all_events
                     if e.event_type_value == "ASSET_OBSERVATION"]
         logs = [r.user_message for r in instance.all_logs(result.run_id)]
+        warned = [r.user_message for r in instance.all_logs(result.run_id) if r.level >= 30]
         again = job.execute_in_process(instance=instance, run_config=stream_config())  # nothing new to read
         summary = [r.user_message for r in instance.all_logs(again.run_id) if "batch(es)" in r.user_message]
     files = oracle.files_in_arrival_order(Path(settings.landing_dir("payments")))
@@ -125,12 +126,21 @@ def test_a_stream_run_records_a_materialization_per_batch_and_partition(spark, s
     assert summary and "0 batch(es)" in summary[0] and "-inf" not in summary[0] and DAY in summary[0], summary
     day_end_ms = (datetime.fromisoformat(DAY).replace(tzinfo=timezone.utc) + timedelta(days=1)).timestamp() * 1000
     assert main[-1].metadata["day_complete"].value == (truth.watermark_ms >= day_end_ms)
-    batches = [line for line in logs if line.startswith("purchase_metrics batch ")]
+    batches = [line for line in logs if line.startswith("purchase_metrics batch ") and "quarantined:" not in line]
     assert len(batches) >= len(files) // 6 and all("lines" in b and "watermark" in b for b in batches)
     assert {m.asset_key.path[-1] for m in events} >= {"purchase_metrics", "purchase_metrics_late", "payments"}
     assert {"rows_in", "rows_written", "batch_seconds", "watermark_lag_s", "state_rows", "table_version",
             "processed_rows_per_s"} <= set(meta)
     assert sum(m.metadata["rows_written"].value for m in main) == len(truth.closed)
+    # a quarantine table's events say how many lines, from which files and why (no stream figures), and each
+    # batch that quarantined lines says so as a warning naming the file and the reason
+    bad = {(p.name, line) for p in files for line in oracle.read_lines(p) if oracle.validate(line) is None}
+    quarantine = [m for m in events if m.asset_key.path[-1] == "payments"]
+    assert sum(q.metadata["rows_written"].value for q in quarantine) == len(bad) > 0  # (a row per file and line)
+    assert all(not {"state_rows", "day_complete", "watermark_lag_s"} & set(q.metadata) for q in quarantine)
+    assert any(".jsonl: " in q.metadata["examples"].value for q in quarantine)
+    assert any("quarantined: " in w and ".jsonl: " in w and ("malformed" in w or "invalid" in w or "missing" in w)
+               for w in warned), warned
 
 
 def test_the_streams_job_runs_several_jobs_in_one_application_and_is_supervised_as_a_whole(spark, small_landing):
@@ -226,12 +236,18 @@ def test_a_day_the_stream_still_writes_is_refused_with_the_launchpad_fix(spark, 
     settings = write_config(small_landing, {"purchase_metrics": {"max_files_per_trigger": 6}})
     run_stream(spark, settings, get_job("purchase_metrics", settings), available_now=True, progress=None,
                install_signal_handlers=False)
+    from streaming.checkpoint.lease import Lease
+
     before = {tuple(r) for r in spark.table("lake.payments.purchase_metrics").collect()}
     defs = defs_for(settings)
     assets = [a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and MAIN in a.keys]
+    running = Lease(settings.checkpoint_dir("purchase_metrics"), job="purchase_metrics").acquire("stream")  # (live)
     with dg.instance_for_test() as instance:
-        result = dg.materialize(assets, instance=instance, partition_key=DAY, resources=defs.resources,
-                                raise_on_error=False)
+        try:
+            result = dg.materialize(assets, instance=instance, partition_key=DAY, resources=defs.resources,
+                                    raise_on_error=False)
+        finally:
+            running.release()
         assert not result.success
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
         error = failure.step_failure_data.error
@@ -241,6 +257,7 @@ def test_a_day_the_stream_still_writes_is_refused_with_the_launchpad_fix(spark, 
         # the day's reconciliation says why it was not compared (not "execution failed")
         record = latest_check(instance, MAIN, "reconciliation", DAY)
         assert record.run_id == result.run_id and "refused" in evaluation_of(record).description
+        assert not evaluation_of(record).passed and evaluation_of(record).severity == dg.AssetCheckSeverity.WARN
     assert {tuple(r) for r in spark.table("lake.payments.purchase_metrics").collect()} == before
 
 

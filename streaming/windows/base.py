@@ -75,6 +75,12 @@ class Window(ABC):
         """``frame`` with ``ws``/``we``: one row per event and window it belongs to."""
 
     @property
+    def cadence_ms(self) -> int:
+        """How often a stream with steady input finishes a window of a key (the grid's step; sessions: the
+        gap), what a reader of the table may expect new rows by."""
+        return getattr(self, "every_ms", None) or getattr(self, "gap_ms", None) or 60_000
+
+    @property
     def windows_per_event(self) -> int:
         """The most windows one event belongs to (sessions: the one interval it opens)."""
         return 1
