@@ -48,7 +48,10 @@ def session(home: str):
                .config("spark.sql.session.timeZone", "UTC")
                .config("spark.sql.shuffle.partitions", "4")
                .config("spark.driver.memory", "4g")
-               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false"))
+               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+               # (a measurement aid, not a speed setting: the bench reads every batch's commit from the checkpoint,
+               # and Spark keeps the last 100 only)
+               .config("spark.sql.streaming.minBatchesToRetain", "1000"))
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     spark.sql("CREATE NAMESPACE IF NOT EXISTS lake.peer")

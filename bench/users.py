@@ -402,7 +402,8 @@ def _latency_run(b: Bench, who: str, warmup: float, measure: float, rate: int, p
         env = b.env()
         checkpoint = home / "checkpoint"
     else:
-        home = b.home(f"ls-live-{who}", landing_root)
+        home = b.home(f"ls-live-{who}", landing_root,  # (as the peer: every batch's commit kept for the reading)
+                      spark={"conf": {"spark.sql.streaming.minBatchesToRetain": "1000"}})
         cmd = [LAKESTREAM, "run", who]
         env = b.env(home)
         checkpoint = home / "checkpoints" / who
@@ -419,6 +420,7 @@ def _latency_run(b: Bench, who: str, warmup: float, measure: float, rate: int, p
     runner.join(120)
     lat = latency(str(checkpoint), appeared, since)
     missing = sum(1 for at in appeared.values() if at >= since) - len(lat.samples)
+    lat.samples.extend([float("inf")] * missing)  # (a file not committed 30 s after the feed ended counts as never)
     r = result[0] if result else None
     say(f"  {who:20} {lat.line()}{f'; {missing} file(s) not committed' if missing else ''}"
         + (f"; peak {r.peak_mb:.0f} MB" if r else "") + (f"; {steps(r.out)}" if r and steps(r.out) else ""))
