@@ -9,6 +9,7 @@ the ``reconciliation`` check of each day partition. While the stream runs, its b
 materializations of the same assets (``streams``).
 """
 
+import warnings
 
 import dagster as dg
 from pydantic import Field
@@ -85,7 +86,7 @@ def ownership_failure(job: Job, exc: OwnershipError) -> dg.Failure:
         description=f"{exc}. In Dagster: wait for the stream, pick earlier days, or launch again with the run "
                     f"config `ops: {{{job.name}_bounded: {{config: {{force: true}}}}}}` (the Launchpad's config "
                     "editor) to replace them anyway.",
-        metadata={"refused_by": "the live stream owns these days", "fix": f"ops.{job.name}_bounded.config.force: true"},
+        metadata={"refused_by": "the running stream owns these days", "fix": f"ops.{job.name}_bounded.config.force: true"},
         allow_retries=False,
     )
 
@@ -93,11 +94,13 @@ def ownership_failure(job: Job, exc: OwnershipError) -> dg.Failure:
 def bounded_assets(settings: Settings, job: Job, partitions_def) -> dg.AssetsDefinition:
     specs = [table_spec(settings, job, job.sink, "main", partitions_def),
              table_spec(settings, job, job.late_sink, "late", partitions_def)]
-    check = dg.AssetCheckSpec(
-        RECONCILIATION, asset=table_key(job.sink), partitions_def=partitions_def,
-        description="The stream's output for the day against its bounded recomputation, compared by each "
-                    "materialization before it replaces the day; every difference must be explained by late data "
-                    "or by windows still in flight. (On demand without replacing: `lakestream reconcile`.)")
+    with warnings.catch_warnings():  # (a partitioned check is a preview in Dagster 1.13: said once, not per job)
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        check = dg.AssetCheckSpec(
+            RECONCILIATION, asset=table_key(job.sink), partitions_def=partitions_def,
+            description="The stream's output for the day against its bounded recomputation, compared by each "
+                        "materialization before it replaces the day; every difference must be explained by late "
+                        "data or by windows still in flight. (On demand without replacing: `lakestream reconcile`.)")
 
     @dg.multi_asset(name=f"{job.name}_bounded", specs=specs, check_specs=[check], partitions_def=partitions_def,
                     backfill_policy=dg.BackfillPolicy.single_run(), op_tags={"kind": "spark"},
