@@ -17,7 +17,7 @@ from lakestream.generator import GeneratorConfig, generate
 from streaming.project import get_job
 from streaming.run.runner import run_stream
 from streaming.io.tables import job_sinks
-from tests import oracle_jobs as oj
+from tests import oracle, oracle_jobs as oj
 from tests.conftest import drop_job_tables, settings_for
 from tests.oracle_windows import Win, bounded_windows, replay_windows
 
@@ -172,6 +172,15 @@ def keyed(spark, settings, name, sources, keep, pattern, sql, days=1):
     assert set(rows(spark, sql)) == expected and expected
     assert late_ids(spark, job) == sorted(late)
     assert report.stats.late == len(late)
+    # each late row names a landing file that holds its event, although the job's transform selects its columns
+    holding: dict[str, set] = {}
+    for source in sources:
+        for path in oracle.files_in_arrival_order(Path(settings.landing) / source):
+            for e in map(oj.VALIDATORS[source], oracle.read_lines(path)):
+                if e is not None:
+                    holding.setdefault(e["event_id"], set()).add(path.name)
+    named = rows(spark, f"SELECT event_id, source_file FROM {job.late_sink.name}")
+    assert named and all(f is not None and f.rsplit("/", 1)[-1] in holding[i] for i, f in named), named[:5]
 
     # The bounded twin over the days: every output (a forced backfill would leave those after the stream's
     # watermark to the stream: keyed outputs have no key to upsert on, see test_forced_backfill).

@@ -92,8 +92,9 @@ def test_timers_fire_on_the_watermark_and_state_survives_a_restart(spark, lake):
         ("u1", 2 * MIN, 2, W2), ("u1", 3 * MIN, 2, W2), ("u2", 2 * MIN + 30 * SEC, 1, W2),
         ("u3", 7 * MIN, 1, W3), ("u3", 12 * MIN, 2, W_END),  # count 2: the 05:00 payment survived the restart
     ]
-    late = spark.sql(f"SELECT event_id, user_id, watermark_ms - {T0} AS w, late_by_ms FROM {SINK}_late").collect()
+    late = spark.sql(f"SELECT event_id, user_id, watermark_ms - {T0} AS w, late_by_ms, source_file FROM {SINK}_late").collect()
     assert [(r.event_id, r.user_id, r.w, r.late_by_ms) for r in late] == [("e6", "u1", W3, W3 - 3 * MIN)]
+    assert late[0].source_file.endswith("/batch-0003.jsonl")  # its file, although the transform selects columns
     assert second.totals.late == 1
 
 

@@ -108,11 +108,51 @@ def _freeze_heap() -> None:
     gc._lakestream_frozen = True
 
 
-def transformed_events(job: KeyedJob, parsed: DataFrame, *, watermark: bool = False) -> DataFrame:
+FILE = "_lakestream_file"  # an event's landing file, carried past the job's transform (see ``_Carrying``)
+
+
+class _Carrying(DataFrame):
+    """The frame a keyed job's transform receives in a stream: every frame made from it keeps :data:`FILE`,
+    so a late element can name its landing file whatever columns the transform selects. A ``select`` that
+    would drop it gets it appended (a projection that cannot take it, an aggregate say, stays as written);
+    frames made another way (SQL over a view) do not carry it, and their late rows name no file."""
+
+    _KEEPING = frozenset({"select", "selectExpr"})
+
+    def __getattribute__(self, name):
+        attr = super().__getattribute__(name)
+        if name.startswith("_") or not callable(attr):
+            return attr
+
+        def carried(*args, **kwargs):
+            out = attr(*args, **kwargs)
+            if not isinstance(out, DataFrame):
+                return out
+            if name in _Carrying._KEEPING and FILE not in out.columns:
+                try:
+                    out = attr(*args, FILE if name == "selectExpr" else F.col(FILE), **kwargs)
+                except Exception:  # (not a row-for-row projection: nothing to carry the file through)
+                    return out
+            if FILE in out.columns:
+                out.__class__ = _Carrying
+            return out
+
+        return carried
+
+
+def transformed_events(job: KeyedJob, parsed: DataFrame, *, watermark: bool = False,
+                       carry_file: bool = False) -> DataFrame:
+    """The job's transform over the valid events of ``parsed``; ``carry_file``: with :data:`FILE` (the event's
+    landing file) wherever the transform keeps rows as they are."""
     valid = parsed.where(F.col("_reason").isNull()).drop("_raw", "_reason", "_arrival")  # (io.parse.LINE_COLUMNS)
     if watermark:
         valid = valid.withWatermark(job.source.event_time, f"{job.watermark.out_of_orderness_ms} milliseconds")
+    if carry_file and "source_file" in valid.columns:
+        valid = valid.withColumn(FILE, F.col("source_file"))
+        valid.__class__ = _Carrying
     out = job.transform(valid)
+    if isinstance(out, _Carrying):
+        out.__class__ = DataFrame
     missing = [c for c in (*job.keys, job.source.event_time, job.source.dedup_key) if c not in out.columns]
     if missing:
         raise DeclarationError(
@@ -138,7 +178,7 @@ def _bucket(job: KeyedJob, buckets: int, labels: tuple[int, ...] | None = None) 
 # packed as one JSON text column: a Python call returns one frame per bucket of keys, and each column
 # of a frame costs its own pandas and Arrow conversion whether or not it holds a value.
 _SIDE = (
-    ("_l_t", T.LongType()), ("_l_id", T.StringType()), ("_l_event", T.StringType()),
+    ("_l_t", T.LongType()), ("_l_id", T.StringType()), ("_l_event", T.StringType()), ("_l_file", T.StringType()),
     ("_q_src", T.StringType()), ("_q_file", T.StringType()), ("_q_raw", T.StringType()), ("_q_reason", T.StringType()),
     ("_q_n", T.LongType()),
     ("_s_in", T.LongType()), ("_s_dup", T.LongType()), ("_s_max_t", T.LongType()), ("_s_wm", T.LongType()),
@@ -165,6 +205,7 @@ def _valid_utf8(text: F.Column) -> F.Column:
     return F.decode(F.encode(text, "UTF-8"), "UTF-8")
 
 
+LATE_FILE = "_f"  # an element's landing file (a stream's input)
 BAD = "_bad"  # an invalid line, as JSON of its source, file, text and reason (NULL on events)
 
 
@@ -187,10 +228,13 @@ class _Wire:
 def _inputs(job: KeyedJob, parsed: DataFrame, *, stream: bool, buckets: int,
             labels: tuple[int, ...] | None = None) -> tuple[DataFrame, T.StructType]:
     """Valid transformed events and invalid lines as one frame keyed by ``job.keys``."""
-    events = transformed_events(job, parsed, watermark=stream)
-    payload = events.schema
+    events = transformed_events(job, parsed, watermark=stream, carry_file=stream)
+    payload = T.StructType([f for f in events.schema.fields if f.name != FILE])
     wire = _Wire(job, payload)
     extra, extra_types = [], []
+    if stream:  # (a late element names its file: only a stream has late elements)
+        extra.append((F.col(FILE) if FILE in events.columns else F.lit(None).cast("string")).alias(LATE_FILE))
+        extra_types.append((LATE_FILE, "string"))
     if not wire.time_from_payload:
         extra.append(F.unix_millis(F.col(job.source.event_time)).alias("_t"))
         extra_types.append(("_t", "long"))
@@ -340,6 +384,8 @@ class _Adapter:
         self.dedup_ttl_ms = int(job.dedup_ttl.total_seconds() * 1000)
         self.processing = job.timers == PROCESSING_TIME
         self._runtime: KeyedRuntime | None = None
+        self._files = None  # the current bucket's (element ids, their files) (a stream's)
+        self._file_of: dict | None = None  # id -> file, built on the bucket's first late element
 
     @property
     def runtime(self) -> KeyedRuntime:
@@ -351,6 +397,7 @@ class _Adapter:
     def by_key(self, pdf: pd.DataFrame | None) -> dict[tuple, list[tuple[int, str, tuple]]]:
         """The bucket's events per key, in arrival order: (event time ms, dedup key, payload row)."""
         grouped: dict[tuple, list] = {}
+        self._files = self._file_of = None
         if pdf is None or pdf.empty:
             return grouped
         wire = self.wire
@@ -363,6 +410,8 @@ class _Adapter:
         rows = list(zip(*columns.values())) if columns else [()] * len(pdf)
         for key, t, event_id, row in zip(keys, times, ids, rows):
             grouped.setdefault(key, []).append((t, event_id, row))
+        if LATE_FILE in pdf.columns:  # (the elements' files: looked up only for a bucket with late elements)
+            self._files = (ids, pdf[LATE_FILE])
         return grouped
 
     def quarantine(self, pdf: pd.DataFrame) -> pd.DataFrame:
@@ -385,10 +434,15 @@ class _Adapter:
     def result_rows(self, key: tuple, result, rows: list[dict]) -> None:
         keys = {KEY + k: v for k, v in zip(self.job.keys, key)}
         rows += [{"_kind": "out", **keys, **dict(zip((OUT + n for n in self.main.names), out))} for out in result.outputs]
+        if result.late and self._file_of is None and self._files is not None:
+            ids, files = self._files
+            self._file_of = dict(zip(ids, files.tolist()))
+        file_of = self._file_of or {}
         for t, event_id, payload in result.late:
             values = self.decode(payload) if self.decode else payload
             event = json.dumps(dict(zip(self.payload_names, values)), default=_json_default, sort_keys=True)
-            rows.append({"_kind": "late", **keys, "_l_t": t, "_l_id": event_id, "_l_event": event})
+            rows.append({"_kind": "late", **keys, "_l_t": t, "_l_id": event_id, "_l_event": event,
+                         "_l_file": file_of.get(event_id)})
 
     def frame(self, rows: list[dict]) -> pd.DataFrame:
         """Rows (dicts by output column) as a pandas frame Arrow converts to the output schema."""
@@ -627,7 +681,8 @@ def split(job: KeyedJob, frame: DataFrame, main: T.StructType, watermark_ms: int
             F.lit(None).cast("timestamp").alias("window_start"), F.lit(None).cast("timestamp").alias("window_end"),
             F.lit(watermark_ms).cast("long").alias("watermark_ms"),
             (F.lit(watermark_ms) - F.col("_l_t")).cast("long").alias("late_by_ms"),
-            source.alias("source"), F.get_json_object("_l_event", "$.source_file").alias("source_file"),
+            source.alias("source"),
+            F.coalesce(F.col("_l_file"), F.get_json_object("_l_event", "$.source_file")).alias("source_file"),
             F.col("_l_event").alias("event"),
         )
 
