@@ -19,6 +19,7 @@ import pytest
 
 from streaming.checkpoint.health import Thresholds
 from streaming.checkpoint.inspect import inspect_checkpoint
+from streaming.checkpoint.lease import control_dir
 from streaming.project import get_job
 from streaming.run.runner import run_stream
 from tests import oracle
@@ -97,6 +98,26 @@ def test_new_input_without_commits_is_stalled_and_old_waiting_input_is_a_growing
     idle = inspect_checkpoint(JOB, str(checkpoint), str(landing), limits, now_ms=last_commit + 10 * MINUTE_MS)
     assert idle.health.idle and not idle.health.stalled and idle.health.status == "warning"
     assert any(f"lakestream run {JOB}" in m for m in idle.health.messages)
+
+    # a batch planned when the stream stopped (Spark writes the next offsets before it sees the stop) is replayed
+    # when the stream starts: still idle, not a stall; after a crash (a lease never given back) it is a stall
+    last = max(int(p.name) for p in (checkpoint / "offsets").iterdir() if p.name.isdigit())
+    planned = checkpoint / "offsets" / str(last + 1)
+    shutil.copy(checkpoint / "offsets" / str(last), planned)
+    stopped = inspect_checkpoint(JOB, str(checkpoint), str(landing), limits, now_ms=last_commit + 10 * MINUTE_MS)
+    assert stopped.in_flight_batch == last + 1 and not stopped.died
+    assert stopped.health.idle and not stopped.health.stalled and stopped.health.status == "warning", stopped.health
+    assert not stopped.health.backlog_growing
+    assert any("replayed when the stream starts" in m for m in stopped.health.messages)
+    control = Path(control_dir(str(checkpoint)))
+    control.mkdir(parents=True, exist_ok=True)
+    dead = control / "lease-000000000001.json"
+    dead.write_text(json.dumps({"generation": 1, "host": "a-host-that-is-gone", "pid": 4242, "purpose": "stream",
+                                "since_ms": last_commit - 20 * MINUTE_MS, "renewed_ms": last_commit - 10 * MINUTE_MS}))
+    crashed = inspect_checkpoint(JOB, str(checkpoint), str(landing), limits, now_ms=last_commit + 10 * MINUTE_MS)
+    assert crashed.died and crashed.health.stalled and crashed.health.status == "error", crashed.health
+    dead.unlink()
+    planned.unlink()
 
     # a process runs it (a live marker) and commits nothing: stalled
     (checkpoint / "lakestream" / "running").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))

@@ -63,7 +63,8 @@ def assess(report: CheckpointReport, limits: Thresholds, root: Tree) -> Health:
         h.messages += [f"corrupt: {p}" for p in report.problems]
     if report.in_flight_batch is not None:
         h.in_flight = True
-        h.messages.append(f"batch {report.in_flight_batch} is planned but not committed (running, or to be replayed)")
+        h.messages.append(f"batch {report.in_flight_batch} is planned but not committed "
+                          f"({'running' if report.running is not None else 'replayed when the stream starts'})")
     if report.files_waiting:
         since = report.last_commit_ms
         if since is None and report.exists:
@@ -74,7 +75,9 @@ def assess(report: CheckpointReport, limits: Thresholds, root: Tree) -> Health:
         longest = max(report.recent_batch_seconds, default=0.0)
         limit_ms = max(limits.stall_factor * limits.trigger_interval_s, limits.stall_batches * longest) * 1000
         overdue = since is not None and now - since > limit_ms and (report.oldest_waiting_ms or now) < now - limit_ms
-        if overdue and report.running is None and report.in_flight_batch is None:
+        # A stream stopped cleanly may leave a batch planned (Spark writes the next offsets before it sees the
+        # stop): the batch is replayed when the stream starts, so that is idle too; a crash is not.
+        if overdue and report.running is None and (report.in_flight_batch is None or not report.died):
             h.idle = True
             h.messages.append(
                 f"idle: {report.files_waiting} file(s) wait (the oldest since {age(now, report.oldest_waiting_ms)}) and "
@@ -89,7 +92,7 @@ def assess(report: CheckpointReport, limits: Thresholds, root: Tree) -> Health:
                 f"stalled: last commit {age(now, report.last_commit_ms)} while {report.files_waiting} file(s) wait "
                 f"(limit {limit_ms / 1000:.0f}s: {basis})"
             )
-        if report.last_commit_ms is not None and report.oldest_waiting_ms is not None:
+        if report.last_commit_ms is not None and report.oldest_waiting_ms is not None and not h.idle:
             if report.oldest_waiting_ms < report.last_commit_ms - limits.trigger_interval_s * 1000:
                 h.backlog_growing = True
                 h.messages.append(

@@ -73,6 +73,7 @@ class CheckpointReport:
     source_offsets: list = field(default_factory=list)  # Spark's per-source offsets of the last committed batch
     positions: dict[str, str] = field(default_factory=dict)  # source -> where the stream stands in it (e.g. a snapshot)
     running: dict | None = None  # the marker of the process running the stream (pid, host, query id, start)
+    died: bool = False  # the last process to hold the lease did not give it back (a crash), none runs now
     problems: list[str] = field(default_factory=list)
     health: Health = field(default_factory=Health)
 
@@ -88,9 +89,11 @@ class CheckpointReport:
 def _read_running(root: Tree, checkpoint: str, storage_options, report: CheckpointReport) -> None:
     """Who holds the checkpoint's lease, if a live process does (a stream; or a savepoint, a restore...)."""
     try:
-        holder = Lease(checkpoint, storage_options).holder()
+        last = Lease(checkpoint, storage_options).current()
     except (OSError, ValueError):
-        holder = None
+        last = None
+    holder = last if last is not None and last.alive() else None
+    report.died = last is not None and holder is None
     if holder is not None:
         report.running = {"pid": holder.pid, "host": holder.host, "started_ms": holder.since_ms,
                           "renewed_ms": holder.renewed_ms, "purpose": holder.purpose, "generation": holder.generation}
