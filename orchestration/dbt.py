@@ -85,6 +85,10 @@ class LakeTranslator(DagsterDbtTranslator):
         return spec
 
 
+class LakeDbt(DbtCliResource):
+    """dbt over the lake's tables (dbt-spark, session method): builds the project's marts. Nothing to set here."""
+
+
 def dbt_definitions(settings: Settings, project_dir: Path | None = DBT_DIR) -> tuple[dg.AssetsDefinition | None, DbtCliResource | None]:
     """The marts of the project's dbt folder (its profile must be ``lakestream``), or ``(None, None)``."""
     if project_dir is None:
@@ -96,4 +100,5 @@ def dbt_definitions(settings: Settings, project_dir: Path | None = DBT_DIR) -> t
     def lake_marts(context: dg.AssetExecutionContext, dbt: DbtCliResource):
         yield from dbt.cli(["build"], context=context).stream()
 
-    return lake_marts, DbtCliResource(project_dir=project, dbt_executable=str(DBT))
+    # (dagster-dbt's own class documents every option at length, and the launchpad of every job showed it)
+    return lake_marts, LakeDbt(project_dir=project, dbt_executable=str(DBT))
