@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+import pytest
 from dagster import AssetKey
 
 from lakestream.scaffold import scaffold
@@ -71,3 +72,76 @@ def test_a_windowed_jobs_table_carries_a_freshness_policy_from_its_window_waterm
     sliding = graph.get(AssetKey(["lake", "fraud", "decline_alerts"])).freshness_policy  # slides every minute
     assert sliding.warn_window.to_timedelta() == timedelta(minutes=1, seconds=5 + 10 + 30)
     assert graph.get(AssetKey(["lake", "payments", "rolling_spend"])).freshness_policy is None
+
+
+@pytest.mark.slow
+def test_one_webserver_serves_the_example_and_a_user_project_as_two_code_locations(tmp_path):
+    """A real dagster-webserver over a workspace of two locations: each loads, with its own assets, jobs,
+    sensors and schedules (asked over GraphQL, as the UI does)."""
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    from orchestration.record import ensure_dagster_yaml
+
+    repo = Path(__file__).resolve().parents[1]
+    scaffold(tmp_path / "shop_events")
+    home = tmp_path / "dagster"
+    ensure_dagster_yaml(str(home))
+    (tmp_path / "workspace.yaml").write_text(
+        "load_from:\n"
+        f"  - python_module:\n      module_name: orchestration.definitions\n      location_name: example\n"
+        f"      working_directory: {repo}\n"
+        f"  - python_file:\n      relative_path: {tmp_path / 'shop_events' / 'definitions.py'}\n"
+        f"      location_name: shop_events\n      working_directory: {tmp_path}\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LAKESTREAM_")}
+    env.update(DAGSTER_HOME=str(home), LAKESTREAM_HOME=str(tmp_path / "example-lake"))
+    log = open(tmp_path / "webserver.log", "w")
+    server = subprocess.Popen([str(Path(sys.executable).parent / "dagster-webserver"), "-h", "127.0.0.1", "-p",
+                               str(port), "-w", str(tmp_path / "workspace.yaml")], cwd=tmp_path, env=env,
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    query = ("{ workspaceOrError { ... on Workspace { locationEntries { name loadStatus locationOrLoadError { "
+             "__typename ... on PythonError { message } ... on RepositoryLocation { repositories { "
+             "assetNodes { assetKey { path } } jobs { name } sensors { name } schedules { name } } } } } } } }")
+    try:
+        deadline, entries = time.monotonic() + 240, []
+        while time.monotonic() < deadline:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", data=json.dumps(
+                    {"query": query}).encode(), headers={"Content-Type": "application/json"})
+                entries = json.loads(urllib.request.urlopen(request, timeout=60).read())["data"][
+                    "workspaceOrError"]["locationEntries"]
+                if len(entries) == 2 and all(e["loadStatus"] == "LOADED" for e in entries):
+                    break
+            except (OSError, KeyError, TypeError):
+                pass
+            time.sleep(1)
+        located = {e["name"]: e["locationOrLoadError"] for e in entries}
+        assert set(located) == {"example", "shop_events"}, (entries, (tmp_path / "webserver.log").read_text()[-3000:])
+        assert all(v["__typename"] == "RepositoryLocation" for v in located.values()), located
+        seen = {}
+        for name, location in located.items():
+            repo_ = location["repositories"][0]
+            seen[name] = ({"/".join(n["assetKey"]["path"]) for n in repo_["assetNodes"]}, {j["name"] for j in repo_["jobs"]},
+                          {s["name"] for s in repo_["sensors"]}, {s["name"] for s in repo_["schedules"]})
+        example_assets, example_jobs, example_sensors, example_schedules = seen["example"]
+        shop_assets, shop_jobs, shop_sensors, shop_schedules = seen["shop_events"]
+        assert "lake/payments/purchase_metrics" in example_assets and "purchase_metrics_stream" in example_jobs
+        assert "lake/shop_events/events_per_user" in shop_assets and "events_per_user_stream" in shop_jobs
+        assert not any("purchase_metrics" in a for a in shop_assets) and not any("shop_events" in a for a in example_assets)
+        assert shop_sensors and example_sensors and shop_schedules and example_schedules
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
