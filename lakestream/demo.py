@@ -93,7 +93,8 @@ def _record_in_dagster(job, check, totals) -> str | None:
         return record_outside_run(job, days, what="lakestream demo: stream (available-now) + bounded twin comparison",
                                   metadata={"lines": totals.lines, "events": totals.events, "late_events": totals.late,
                                             "rows_written": totals.rows_written, "watermark_ms": totals.watermark_out_ms,
-                                            "unexplained_differences": check.unexplained})
+                                            "unexplained_differences": check.unexplained},
+                                  reconciliation=check)
     except Exception as exc:  # noqa: BLE001 - the demo's result does not depend on Dagster
         print(f"   (not recorded in Dagster: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
         return None

@@ -90,8 +90,9 @@ def _create_storage(home: str) -> None:
 
 
 def record_outside_run(job: Job, days: list[str], *, what: str, metadata: dict,
-                       instance: dg.DagsterInstance | None = None) -> str | None:
-    """Report the job's main and late tables as materialized for ``days`` (and its quarantine tables).
+                       instance: dg.DagsterInstance | None = None, reconciliation=None) -> str | None:
+    """Report the job's main and late tables as materialized for ``days`` (and its quarantine tables), and
+    ``reconciliation`` (a comparison of the stream with its bounded twin) as the days' reconciliation check.
     Returns where it was recorded, or None when there is no Dagster instance to record in."""
     if instance is None:
         if not os.environ.get("DAGSTER_HOME"):
@@ -113,4 +114,14 @@ def record_outside_run(job: Job, days: list[str], *, what: str, metadata: dict,
         instance.report_runless_asset_event(dg.AssetMaterialization(
             asset_key=table_key(source.quarantine), metadata={"recorded_from": what},
             description=f"{what} (outside Dagster)"))
+    if reconciliation is not None and days:
+        from .assets import reconciliation_evaluations
+
+        from sqlalchemy.exc import IntegrityError
+
+        for evaluation in reconciliation_evaluations(job, reconciliation, days, instance):
+            try:
+                instance.report_runless_asset_event(evaluation)
+            except IntegrityError:  # Dagster 1.13 keeps one runless evaluation per check and partition: the first
+                pass                # stays (a run's evaluation, a backfill's say, supersedes it)
     return os.environ.get("DAGSTER_HOME") or "the given instance"

@@ -10,7 +10,7 @@ import json
 import os
 import socket
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
 
@@ -491,12 +491,21 @@ def test_a_run_outside_dagster_is_recorded_as_materializations(spark, small_land
     from orchestration.record import record_outside_run
     from streaming.project import get_job
 
+    from batch.reconcile import DayResult, ReconcileReport
+
     job = get_job("purchase_metrics", small_landing)
+    compared = ReconcileReport(job.name, datetime(2026, 11, 20, tzinfo=timezone.utc), datetime(2026, 11, 21, tzinfo=timezone.utc),
+                               1_763_600_000_000, days=[DayResult(date.fromisoformat(DAY), 40, 37, 2, 1, 0)])
     with dg.instance_for_test() as instance:
         for _ in range(2):  # a second demo records again (no unique-constraint collision)
             where = record_outside_run(job, [DAY], what="lakestream demo", instance=instance,
-                                       metadata={"lines": 10, "watermark_ms": 1_763_600_000_000})
+                                       metadata={"lines": 10, "watermark_ms": 1_763_600_000_000}, reconciliation=compared)
         assert where is not None
+        # the demo's comparison is the day's reconciliation check (not "Not Evaluated" right after `make demo`)
+        check = dg.AssetCheckKey(MAIN, "reconciliation")
+        evaluation = instance.event_log_storage.get_latest_asset_check_execution_by_key([check])[check]
+        assert evaluation is not None and evaluation.event.dagster_event.event_specific_data.passed
+        assert evaluation.event.dagster_event.event_specific_data.partition == DAY
         records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=MAIN, asset_partitions=[DAY]),
                                                   limit=5).records
         assert len(records) == 2
