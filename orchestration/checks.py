@@ -82,8 +82,11 @@ def job_checks(job: Job, partitions_def) -> list[dg.AssetChecksDefinition]:
         if not totals or not totals["events"]:
             return dg.AssetCheckResult(passed=True, description="no events streamed yet")
         share = totals["late"] / totals["events"]
-        return dg.AssetCheckResult(passed=share <= LATE_SHARE_MAX, severity=dg.AssetCheckSeverity.WARN,
-                                   metadata={"late": totals["late"], "events": totals["events"], "share": share})
+        return dg.AssetCheckResult(
+            passed=share <= LATE_SHARE_MAX, severity=dg.AssetCheckSeverity.WARN,
+            description=(f"{totals['late']:,} late row(s) (an event and a window it missed) for {totals['events']:,} "
+                         f"events ({share:.2%}; the limit is {LATE_SHARE_MAX:.0%}), in {job.late_sink.name}"),
+            metadata={"late": totals["late"], "events": totals["events"], "share_pct": round(share * 100, 3)})
 
     @dg.asset_check(asset=main, name="stream_supervisor", description="Whether the stream runs when it should; the "
                     "stream_supervisor sensor reports each restart here.")
@@ -117,8 +120,12 @@ def quarantine_check(source: Source, jobs: list[Job]) -> dg.AssetChecksDefinitio
         if worst is None:
             return dg.AssetCheckResult(passed=True, description="nothing streamed yet")
         share, name, totals = worst
-        return dg.AssetCheckResult(passed=share <= QUARANTINE_SHARE_MAX, severity=dg.AssetCheckSeverity.WARN,
-                                   metadata={"share": share, "quarantined": totals["quarantined"],
-                                             "lines": totals["lines"], "job": name})
+        return dg.AssetCheckResult(
+            passed=share <= QUARANTINE_SHARE_MAX, severity=dg.AssetCheckSeverity.WARN,
+            description=(f"{totals['quarantined']:,} of {totals['lines']:,} lines read by {name} quarantined "
+                         f"({share:.2%}; the limit is {QUARANTINE_SHARE_MAX:.0%}); each with its file and reason in "
+                         f"{source.quarantine.name}"),
+            metadata={"share_pct": round(share * 100, 3), "quarantined": totals["quarantined"],
+                      "lines": totals["lines"], "job": name})
 
     return quarantine_volume
