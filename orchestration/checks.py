@@ -84,7 +84,8 @@ def job_checks(job: Job, partitions_def) -> list[dg.AssetChecksDefinition]:
         share = totals["late"] / totals["events"]
         return dg.AssetCheckResult(
             passed=share <= LATE_SHARE_MAX, severity=dg.AssetCheckSeverity.WARN,
-            description=(f"{totals['late']:,} late row(s) (an event and a window it missed) for {totals['events']:,} "
+            description=(f"{totals['late']:,} late row(s) ({'an event' if job.kind == 'keyed' else 'an event and a window it missed'}) "
+                         f"for {totals['events']:,} "
                          f"events ({share:.2%}; the limit is {LATE_SHARE_MAX:.0%}), in {job.late_sink.name}"),
             metadata={"late": totals["late"], "events": totals["events"], "share_pct": round(share * 100, 3)})
 
