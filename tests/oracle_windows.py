@@ -42,6 +42,16 @@ class Win:
         return out
 
 
+def win_of(window) -> Win:
+    """The oracle's window for a job's declared one (read for its kind and sizes only)."""
+    kind = type(window).__name__.lower()
+    if kind == "session":
+        return Win("session", gap=window.gap_ms)
+    if kind == "sliding":
+        return Win("sliding", size=window.size_ms, every=window.every_ms)
+    return Win("tumbling", size=window.size_ms)
+
+
 @dataclass
 class WindowTruth:
     table: dict[tuple, dict] = field(default_factory=dict)  # (key, window_start) -> row (what the sink holds)

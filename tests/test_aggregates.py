@@ -22,7 +22,7 @@ from streaming.time import from_epoch_ms
 from streaming.windows import Session, Sliding, Tumbling
 from tests.conftest import drop_job_tables
 from tests.landing import MIN, SEC, T0, iso, with_t, write_batches
-from tests.oracle_windows import Win, bounded_windows, replay_windows
+from tests.oracle_windows import Win, bounded_windows, replay_windows, win_of
 
 SINK = "lake.test.aggregates"
 DELAY = 10 * SEC
@@ -107,14 +107,6 @@ def scenario(seed: int) -> list[list[dict]]:
 
 def _arrival_of(events, e):
     return next(a for a, x in events if x is e)
-
-
-def win_of(window) -> Win:
-    if isinstance(window, Session):
-        return Win("session", gap=window.gap_ms)
-    if isinstance(window, Sliding):
-        return Win("sliding", size=window.size_ms, every=window.every_ms)
-    return Win("tumbling", size=window.size_ms)
 
 
 def disagreements(got: dict, want: dict) -> list:

@@ -24,7 +24,7 @@ from streaming.jobs.sources import PAYMENTS
 from streaming.windows import Session, Sliding, Tumbling
 from tests.conftest import drop_job_tables
 from tests.landing import MIN, SEC, T0, payment, with_t, write_batches
-from tests.oracle_windows import Win, bounded_windows, replay_windows
+from tests.oracle_windows import Win, bounded_windows, replay_windows, win_of
 
 DELAY = 10 * SEC
 SINK = "lake.test.windows"
@@ -40,14 +40,6 @@ def job_for(window, lateness: timedelta) -> WindowedJob:
         watermark=Watermark(timedelta(milliseconds=DELAY), allowed_lateness=lateness), transform=amounts,
         aggregates=(Agg.count("events"), Agg.sum("amount", "amount")), sink=Table(SINK),
     )
-
-
-def win_of(window) -> Win:
-    if isinstance(window, Session):
-        return Win("session", gap=window.gap_ms)
-    if isinstance(window, Sliding):
-        return Win("sliding", size=window.size_ms, every=window.every_ms)
-    return Win("tumbling", size=window.size_ms)
 
 
 def measure(events):
