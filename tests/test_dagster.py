@@ -642,7 +642,8 @@ def test_a_stream_run_whose_process_is_gone_is_failed_and_restarted_by_the_super
         assert supervise(instance, job, now=later, lease=lease) is None
         assert instance.get_run_by_id(remote.run_id).status == DagsterRunStatus.STARTED
         (folder / "lease-000000000001.json").write_text(json.dumps({**holder, "renewed_ms": now_ms - 120_000}))
-        supervise(instance, job, now=later, lease=lease)
+        # (judged DEAD_AFTER_S after the run was added, not after `later`: a loaded machine takes seconds to get here)
+        supervise(instance, job, now=time.time() + DEAD_AFTER_S + 1, lease=lease)
         assert instance.get_run_by_id(remote.run_id).status == DagsterRunStatus.FAILURE
 
 
