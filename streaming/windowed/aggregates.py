@@ -46,12 +46,37 @@ _BUCKET_OFFSET = 1 << 20  # positive values' buckets are > 0, negative ones < 0,
 
 # -- the kinds ---------------------------------------------------------------------------------------
 
+def _let(value: Column, body) -> Column:
+    """``body(value)`` with ``value`` computed once (an expression named inside a lambda is computed again at
+    each of the lambda's calls; a lambda's argument is not)."""
+    return F.element_at(F.transform(F.array(value), body), 1)
+
+
 def _merge_maps(column: Column, combine: str, map_type: T.MapType) -> Column:
-    """A map with every key of the maps in ``column``'s group, their values combined (``max`` or ``sum``)."""
+    """A map with every key of the maps in ``column``'s group, their values combined (``max`` or ``sum``).
+
+    In O(n log n) of the group's entries: they are sorted by key, each run of one key is found by its
+    first index, and a run's values are summed (or its last, the largest, is taken). (Folding map into
+    map rebuilds the accumulator per piece: 80 s for 50,000 events of one window.)"""
     empty = F.create_map().cast(map_type)
-    pick = (lambda a, b: F.greatest(a, b)) if combine == "max" else (lambda a, b: a + b)
-    return F.aggregate(F.collect_list(column), empty, lambda acc, m: F.map_zip_with(
-        acc, m, lambda _k, a, b: pick(F.coalesce(a, F.lit(0)), F.coalesce(b, F.lit(0))).cast(map_type.valueType)))
+
+    def runs(entries: Column) -> Column:
+        n = F.size(entries)
+        starts = F.filter(F.sequence(F.lit(1), n), lambda i: (i == 1) | (
+            F.element_at(entries, i)["key"] != F.element_at(entries, i - 1)["key"]))
+        return F.when(n > 0, _let(starts, lambda s: merged(entries, n, s))).otherwise(empty)
+
+    def merged(entries: Column, n: Column, starts: Column) -> Column:
+        ends = F.transform(starts, lambda s, j: F.coalesce(F.try_element_at(starts, j + 2), n + 1) - 1)
+        keys = F.transform(starts, lambda s: F.element_at(entries, s)["key"])
+        if combine == "max":  # (sorted by key, then value: a run's last entry holds its largest value)
+            values = F.transform(ends, lambda e: F.element_at(entries, e)["value"])
+        else:
+            values = F.zip_with(starts, ends, lambda s, e: F.aggregate(
+                F.slice(entries, s, e - s + 1), F.lit(0).cast(map_type.valueType), lambda acc, x: acc + x["value"]))
+        return F.map_from_arrays(keys, values).cast(map_type)
+
+    return _let(F.array_sort(F.flatten(F.collect_list(F.map_entries(column)))), runs)
 
 
 def _event_value(agg: Agg, job: WindowedJob, types: dict[str, T.DataType]) -> Column:
