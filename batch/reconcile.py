@@ -79,14 +79,17 @@ class ReconcileReport:
     days: list[DayResult] = field(default_factory=list)
     examples: list[str] = field(default_factory=list)  # a few unexplained differences
     seconds: float = 0.0
+    unit: str = "windows"  # what a count counts: windows (keys + window_start), or a keyed job's output rows
 
     @property
     def unexplained(self) -> int:
         return sum(d.unexplained for d in self.days)
 
     def table(self) -> str:
+        what = ("windows (keys + window start); late: windows that late events would change" if self.unit == "windows"
+                else "output rows; late: rows at or after a late event of their key")
         head = f"{'day':10}  {'compared':>9}  {'matching':>9}  {'late':>6}  {'in flight':>9}  {'unexplained':>11}"
-        lines = [head, "-" * len(head)]
+        lines = [f"counted in {what}", head, "-" * len(head)]
         for d in self.days:
             lines.append(f"{d.day.isoformat():10}  {d.compared:>9,}  {d.matching:>9,}  {d.late:>6,}  {d.in_flight:>9,}  "
                          f"{d.unexplained:>11,}")
@@ -160,7 +163,8 @@ def compare(spark, settings: Settings, job: Job, bounded, watermark: int, start:
     ).orderBy("day").collect()
     examples = [r.what for r in units.where(F.col("status") == "unexplained").limit(5).collect()]
     units.unpersist()
-    report = ReconcileReport(job.name, start, end, watermark, examples=examples)
+    report = ReconcileReport(job.name, start, end, watermark, examples=examples,
+                             unit="rows" if isinstance(job, KeyedJob) else "windows")
     report.days = [DayResult(r.day, r.compared, r.matching, r.late, r.in_flight, r.unexplained) for r in counts]
     return report
 

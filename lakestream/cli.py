@@ -169,6 +169,7 @@ def _job(args, settings):
 
 
 def cmd_run(args) -> int:
+    from streaming.declaration import late_count
     from streaming.run.runner import run_streams
     from streaming.time import describe_watermark
     from streaming.spark.session import get_spark
@@ -209,7 +210,7 @@ def cmd_run(args) -> int:
     for job, report in zip(jobs, reports):
         s = report.stats
         print(
-            f"{job.name}: {report.batches} batch(es): {s.lines:,} lines, {s.events:,} events, {s.late:,} late, "
+            f"{job.name}: {report.batches} batch(es): {s.lines:,} lines, {s.events:,} events, {late_count(job, s.late)}, "
             f"{s.quarantined:,} quarantined, {s.rows_written:,} rows written to {job.sink.name}; "
             f"watermark {describe_watermark(report.totals.watermark_out_ms if report.totals else None)}"
         )

@@ -9,6 +9,7 @@ from pyspark.sql import functions as F
 
 from streaming.time import describe_watermark, iso_ms
 from .generator import GeneratorConfig, generate
+from streaming.declaration import late_count
 from streaming.project import registry
 from streaming.run.runner import run_stream
 from streaming.spark.session import get_spark
@@ -63,12 +64,12 @@ def run_demo(settings: Settings, cfg: GeneratorConfig) -> int:
     print()
     print("lakestream demo summary")
     print(f"  stream    : {totals.lines:,} lines read, {totals.events:,} events, {totals.duplicates:,} duplicates removed, "
-          f"{totals.late:,} late events -> {job.late_sink.name}")
+          f"{late_count(job, totals.late)} -> {job.late_sink.name}")
     print(f"              {totals.rows_written:,} closed windows written; watermark {describe_watermark(totals.watermark_out_ms)}"
           f" ({stream.batches} new batch(es) this run)")
     if day is not None:
         print(f"  bounded   : {day.compared:,} windows recomputed from every event; {day.matching:,} equal the stream's, "
-              f"{day.late:,} differ by late events (in the side output), {day.in_flight:,} still open in the stream, "
+              f"{day.late:,} differ by late events (those in the side output), {day.in_flight:,} still open in the stream, "
               f"{day.unexplained:,} unexplained")
     print(f"  quarantine: {quarantined:,} lines in {quarantine.table.name}, each with its reason and file")
     print(f"  tables    : {job.sink.name}, {job.late_sink.name}, {quarantine.table.name}, lake.ops.reconciliation")

@@ -31,7 +31,7 @@ from dagster_pyspark import LazyPySparkResource
 from pydantic import Field
 
 from streaming.checkpoint.lease import pid_start_of
-from streaming.declaration import Job
+from streaming.declaration import Job, late_count
 from streaming.time import parse_duration
 from streaming.run.commit import BatchResult
 from streaming.run.runner import run_streams
@@ -118,7 +118,7 @@ class MaterializationReporter:
         now_ms = int(time.time() * 1000)
         watermark = s.watermark_out_ms
         self.context.log.info(
-            f"{self.job.name} batch {result.batch_id}: {s.lines:,} lines, {s.events:,} events, {s.late:,} late, "
+            f"{self.job.name} batch {result.batch_id}: {s.lines:,} lines, {s.events:,} events, {late_count(self.job, s.late)}, "
             f"{s.quarantined:,} quarantined, {s.rows_written:,} rows written in {result.seconds:.2f}s; "
             f"watermark {describe_watermark(watermark)}")
         samples = self._quarantined(result) if s.quarantined else []

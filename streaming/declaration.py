@@ -487,3 +487,11 @@ class KeyedJob:
 
 
 Job = WindowedJob | KeyedJob
+
+
+def late_count(job: Job, n: int) -> str:
+    """``n`` rows of ``job``'s late side output in words: a keyed job's (or a tumbling or session window's) late
+    row is one late event; a sliding window's is an event and one window it missed, so rows can outnumber events."""
+    if isinstance(job, KeyedJob) or getattr(job.window, "windows_per_event", 1) == 1:
+        return f"{n:,} late event{'' if n == 1 else 's'}"
+    return f"{n:,} late row{'' if n == 1 else 's'} (an event once per window it missed)"

@@ -151,3 +151,21 @@ def test_a_zero_that_cannot_work_is_refused_with_the_key_named(tmp_path, text, p
     with pytest.raises(ConfigError) as info:
         Settings.load({"LAKESTREAM_HOME": str(tmp_path)})
     assert phrase in str(info.value)
+
+
+def test_late_counts_and_reconciliation_say_what_they_count():
+    """"Late" counts rows of the late side output: an event for keyed, tumbling and session jobs, an event and
+    one window it missed for sliding ones. Reconciliation counts windows (or a keyed job's output rows)."""
+    from datetime import datetime, timezone
+
+    from batch.reconcile import ReconcileReport
+    from streaming.declaration import late_count
+    from streaming.project import get_job
+
+    assert late_count(get_job("purchase_metrics"), 3) == "3 late events"
+    assert late_count(get_job("user_sessions"), 1) == "1 late event"
+    assert late_count(get_job("large_amount_alerts"), 1_200) == "1,200 late events"
+    assert late_count(get_job("decline_velocity"), 20) == "20 late rows (an event once per window it missed)"
+    at = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    assert ReconcileReport("purchase_metrics", at, at, 0).table().startswith("counted in windows (keys + window start)")
+    assert ReconcileReport("large_amount_alerts", at, at, 0, unit="rows").table().startswith("counted in output rows")

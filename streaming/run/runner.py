@@ -35,7 +35,7 @@ def print_progress(result: BatchResult) -> None:
     s = result.stats
     print(
         f"[{result.job} batch {result.batch_id}] {s.lines:,} lines, {s.events:,} events, {s.duplicates:,} duplicates, "
-        f"{s.late:,} late, {s.quarantined:,} quarantined -> {s.rows_written:,} rows written"
+        f"{s.late:,} late rows, {s.quarantined:,} quarantined -> {s.rows_written:,} rows written"
         + (f", {s.rows_deleted:,} deleted" if s.rows_deleted else "")
         + f"; watermark {describe_watermark(s.watermark_out_ms)} ({result.seconds:.1f}s)",
         flush=True,
