@@ -4,6 +4,7 @@ that contains the pattern it detects: as a stream (K files per micro-batch) and 
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
@@ -172,15 +173,24 @@ def keyed(spark, settings, name, sources, keep, pattern, sql, days=1):
     assert set(rows(spark, sql)) == expected and expected
     assert late_ids(spark, job) == sorted(late)
     assert report.stats.late == len(late)
-    # each late row names a landing file that holds its event, although the job's transform selects its columns
+    # each late row names a landing file that holds its event and keeps the event's original fields (as the
+    # landing line has them), although the job's transform selects its columns
     holding: dict[str, set] = {}
+    original: dict[str, dict] = {}
     for source in sources:
         for path in oracle.files_in_arrival_order(Path(settings.landing) / source):
-            for e in map(oj.VALIDATORS[source], oracle.read_lines(path)):
+            for line in oracle.read_lines(path):
+                e = oj.VALIDATORS[source](line)
                 if e is not None:
                     holding.setdefault(e["event_id"], set()).add(path.name)
-    named = rows(spark, f"SELECT event_id, source_file FROM {job.late_sink.name}")
-    assert named and all(f is not None and f.rsplit("/", 1)[-1] in holding[i] for i, f in named), named[:5]
+                    original[e["event_id"]] = json.loads(line)
+    named = rows(spark, f"SELECT event_id, source_file, event FROM {job.late_sink.name}")
+    assert named and all(f is not None and f.rsplit("/", 1)[-1] in holding[i] for i, f, _ in named), named[:5]
+    for event_id, _, event in named:
+        kept, line = json.loads(event), original[event_id]
+        assert set(kept) == set(line), (kept, line)  # every declared field, not only the selected ones
+        assert all(kept[k] == line[k] for k in ("event_id", "user_id", "card_id", "merchant_id", "status", "ip")
+                   if k in line), (kept, line)
 
     # The bounded twin over the days: every output (a forced backfill would leave those after the stream's
     # watermark to the stream: keyed outputs have no key to upsert on, see test_forced_backfill).

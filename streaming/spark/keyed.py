@@ -108,12 +108,13 @@ def _freeze_heap() -> None:
     gc._lakestream_frozen = True
 
 
-FILE = "_lakestream_file"  # an event's landing file, carried past the job's transform (see ``_Carrying``)
+FILE = "_lakestream_file"  # an event's landing file and original fields, carried past the transform (``_Carrying``)
 
 
 class _Carrying(DataFrame):
     """The frame a keyed job's transform receives in a stream: every frame made from it keeps :data:`FILE`,
-    so a late element can name its landing file whatever columns the transform selects. A ``select`` that
+    so a late element can name its landing file and keep its original event whatever columns the transform
+    selects. A ``select`` that
     would drop it gets it appended (a projection that cannot take it, an aggregate say, stays as written);
     frames made another way (SQL over a view) do not carry it, and their late rows name no file."""
 
@@ -143,12 +144,15 @@ class _Carrying(DataFrame):
 def transformed_events(job: KeyedJob, parsed: DataFrame, *, watermark: bool = False,
                        carry_file: bool = False) -> DataFrame:
     """The job's transform over the valid events of ``parsed``; ``carry_file``: with :data:`FILE` (the event's
-    landing file) wherever the transform keeps rows as they are."""
+    landing file, and every field its source declares as JSON, as a windowed job's late row has them)
+    wherever the transform keeps rows as they are."""
     valid = parsed.where(F.col("_reason").isNull()).drop("_raw", "_reason", "_arrival")  # (io.parse.LINE_COLUMNS)
     if watermark:
         valid = valid.withWatermark(job.source.event_time, f"{job.watermark.out_of_orderness_ms} milliseconds")
     if carry_file and "source_file" in valid.columns:
-        valid = valid.withColumn(FILE, F.col("source_file"))
+        fields = [n for n in dict.fromkeys(n for s in job.sources for n in s.field_names) if n in valid.columns]
+        valid = valid.withColumn(FILE, F.struct(F.col("source_file").alias("f"),
+                                                F.to_json(F.struct(*[F.col(n) for n in fields])).alias("e")))
         valid.__class__ = _Carrying
     out = job.transform(valid)
     if isinstance(out, _Carrying):
@@ -179,6 +183,7 @@ def _bucket(job: KeyedJob, buckets: int, labels: tuple[int, ...] | None = None) 
 # of a frame costs its own pandas and Arrow conversion whether or not it holds a value.
 _SIDE = (
     ("_l_t", T.LongType()), ("_l_id", T.StringType()), ("_l_event", T.StringType()), ("_l_file", T.StringType()),
+    ("_l_src", T.StringType()),
     ("_q_src", T.StringType()), ("_q_file", T.StringType()), ("_q_raw", T.StringType()), ("_q_reason", T.StringType()),
     ("_q_n", T.LongType()),
     ("_s_in", T.LongType()), ("_s_dup", T.LongType()), ("_s_max_t", T.LongType()), ("_s_wm", T.LongType()),
@@ -205,7 +210,7 @@ def _valid_utf8(text: F.Column) -> F.Column:
     return F.decode(F.encode(text, "UTF-8"), "UTF-8")
 
 
-LATE_FILE = "_f"  # an element's landing file (a stream's input)
+LATE_FILE, LATE_EVENT = "_f", "_e"  # an element's landing file and original event (a stream's input)
 BAD = "_bad"  # an invalid line, as JSON of its source, file, text and reason (NULL on events)
 
 
@@ -232,9 +237,11 @@ def _inputs(job: KeyedJob, parsed: DataFrame, *, stream: bool, buckets: int,
     payload = T.StructType([f for f in events.schema.fields if f.name != FILE])
     wire = _Wire(job, payload)
     extra, extra_types = [], []
-    if stream:  # (a late element names its file: only a stream has late elements)
-        extra.append((F.col(FILE) if FILE in events.columns else F.lit(None).cast("string")).alias(LATE_FILE))
-        extra_types.append((LATE_FILE, "string"))
+    if stream:  # (a late element names its file and keeps its event: only a stream has late elements)
+        carried = FILE in events.columns
+        for name, part in ((LATE_FILE, "f"), (LATE_EVENT, "e")):
+            extra.append((F.col(FILE)[part] if carried else F.lit(None).cast("string")).alias(name))
+            extra_types.append((name, "string"))
     if not wire.time_from_payload:
         extra.append(F.unix_millis(F.col(job.source.event_time)).alias("_t"))
         extra_types.append(("_t", "long"))
@@ -384,8 +391,8 @@ class _Adapter:
         self.dedup_ttl_ms = int(job.dedup_ttl.total_seconds() * 1000)
         self.processing = job.timers == PROCESSING_TIME
         self._runtime: KeyedRuntime | None = None
-        self._files = None  # the current bucket's (element ids, their files) (a stream's)
-        self._file_of: dict | None = None  # id -> file, built on the bucket's first late element
+        self._files = None  # the current bucket's (element ids, their files, their original events) (a stream's)
+        self._file_of: dict | None = None  # id -> (file, event), built on the bucket's first late element
 
     @property
     def runtime(self) -> KeyedRuntime:
@@ -411,7 +418,7 @@ class _Adapter:
         for key, t, event_id, row in zip(keys, times, ids, rows):
             grouped.setdefault(key, []).append((t, event_id, row))
         if LATE_FILE in pdf.columns:  # (the elements' files: looked up only for a bucket with late elements)
-            self._files = (ids, pdf[LATE_FILE])
+            self._files = (ids, pdf[LATE_FILE], pdf[LATE_EVENT])
         return grouped
 
     def quarantine(self, pdf: pd.DataFrame) -> pd.DataFrame:
@@ -435,14 +442,17 @@ class _Adapter:
         keys = {KEY + k: v for k, v in zip(self.job.keys, key)}
         rows += [{"_kind": "out", **keys, **dict(zip((OUT + n for n in self.main.names), out))} for out in result.outputs]
         if result.late and self._file_of is None and self._files is not None:
-            ids, files = self._files
-            self._file_of = dict(zip(ids, files.tolist()))
+            ids, files, events = self._files
+            self._file_of = dict(zip(ids, zip(files.tolist(), events.tolist())))
         file_of = self._file_of or {}
         for t, event_id, payload in result.late:
-            values = self.decode(payload) if self.decode else payload
-            event = json.dumps(dict(zip(self.payload_names, values)), default=_json_default, sort_keys=True)
-            rows.append({"_kind": "late", **keys, "_l_t": t, "_l_id": event_id, "_l_event": event,
-                         "_l_file": file_of.get(event_id)})
+            fields = dict(zip(self.payload_names, self.decode(payload) if self.decode else payload))
+            file, event = file_of.get(event_id, (None, None))
+            if event is None:  # (a transform that carried nothing through: the columns it kept)
+                event = json.dumps(fields, default=_json_default, sort_keys=True)
+            source = fields.get("source")
+            rows.append({"_kind": "late", **keys, "_l_t": t, "_l_id": event_id, "_l_event": event, "_l_file": file,
+                         "_l_src": source if isinstance(source, str) else None})
 
     def frame(self, rows: list[dict]) -> pd.DataFrame:
         """Rows (dicts by output column) as a pandas frame Arrow converts to the output schema."""
@@ -673,7 +683,7 @@ def split(job: KeyedJob, frame: DataFrame, main: T.StructType, watermark_ms: int
         return frame.where(F.col("_kind") == "out").select(*[F.col(OUT + f.name).alias(f.name) for f in main.fields])
 
     def late() -> DataFrame:
-        source = F.lit(job.source.name) if len(job.sources) == 1 else F.get_json_object("_l_event", "$.source")
+        source = F.lit(job.source.name) if len(job.sources) == 1 else F.col("_l_src")
         return frame.where(F.col("_kind") == "late").select(
             *[F.col(KEY + k).alias(k) for k in job.keys],
             F.col("_l_id").alias(job.source.dedup_key),
