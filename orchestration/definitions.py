@@ -42,7 +42,7 @@ def build_definitions(settings: Settings | None = None, home: str | None = None,
               *([dg.define_asset_job("marts_build", selection=dg.AssetSelection.assets(marts),
                                      description="dbt build of the marts (models and their tests)")] if marts else [])],
         sensors=[health_sensor(jobs), supervisor_sensor(jobs, streams)],
-        schedules=[savepoint_schedule(savepoints), backfill_schedule],
+        schedules=[savepoint_schedule(savepoints, settings.savepoint_schedule), backfill_schedule],
         resources={"lakestream": lakestream, "pyspark": pyspark_resource(settings, home, config_file),
                    **({"dbt": dbt} if dbt else {})},
     )

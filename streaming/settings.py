@@ -40,6 +40,7 @@ YAML keys (all optional)::
       jvm_options: -XX:TieredStopAtLevel=1   # added to the driver's (and executors') Java options
     format: iceberg                   # table format of every sink: iceberg (default) | delta
     partitions_start: 2026-11-01      # first day of the tables' daily partitions (Dagster)
+    savepoint_schedule: 0 4 * * *     # cron (UTC) of Dagster's savepoint_before_deploy_schedule (off until started)
     storage_options:                  # fsspec options for reading checkpoints and landing folders on an
       client_kwargs: {endpoint_url: https://s3.eu-west-1.amazonaws.com}   # object store without a JVM
     delta:
@@ -62,6 +63,7 @@ YAML keys (all optional)::
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -73,7 +75,7 @@ from .time import parse_duration
 from .errors import ConfigError
 
 _TOP_KEYS = {"home", "project", "landing", "warehouse", "delta_root", "checkpoints", "savepoints", "spark", "iceberg", "delta", "format",
-             "partitions_start", "jobs", "storage_options"}
+             "partitions_start", "savepoint_schedule", "jobs", "storage_options"}
 _JOB_KEYS = {"out_of_orderness", "allowed_lateness", "trigger_interval", "max_files_per_trigger", "dedup_ttl", "format"}
 FORMATS = ("iceberg", "delta")
 _DELTA_ENGINES = ("delta-rs", "spark")
@@ -120,6 +122,7 @@ class Settings:
     delta_storage_options: Mapping[str, str] = field(default_factory=dict)
     storage_options: Mapping[str, Any] = field(default_factory=dict)  # fsspec: checkpoint inspection, landing listing
     partitions_start: str = "2026-11-01"
+    savepoint_schedule: str = "0 4 * * *"  # cron, UTC
     jobs: Mapping[str, JobOverrides] = field(default_factory=dict)
     config_file: Path | None = None
     project: str | None = None  # an absolute folder, or a module name; None: the built-in example project
@@ -189,6 +192,7 @@ class Settings:
             format=_format(env.get("LAKESTREAM_FORMAT") or data.get("format") or "iceberg", "format"),
             delta_engine=engine,
             partitions_start=_day(data.get("partitions_start", "2026-11-01")),
+            savepoint_schedule=_cron(data.get("savepoint_schedule", "0 4 * * *"), "savepoint_schedule"),
             delta_storage_options={str(k): str(v) for k, v in _mapping(delta.get("storage_options"), "delta.storage_options").items()},
             storage_options=dict(_mapping(data.get("storage_options"), "storage_options")),
             jobs={name: _job_overrides(name, raw) for name, raw in _mapping(data.get("jobs"), "jobs").items()},
@@ -287,6 +291,18 @@ def _project(value: Any, base: Path) -> str | None:
     if not all(part.isidentifier() for part in text.split(".")):
         raise ConfigError(f"project {text!r} is neither a folder nor a module name; fix 'project' (LAKESTREAM_PROJECT)")
     return text
+
+
+_CRON_FIELD = re.compile(r"^[0-9A-Za-z*/,?-]+$")
+
+
+def _cron(value: Any, key: str) -> str:
+    """A five-field cron expression (minute hour day-of-month month day-of-week), as Dagster schedules take."""
+    fields = str(value).split()
+    if len(fields) != 5 or not all(_CRON_FIELD.match(f) for f in fields):
+        raise ConfigError(f"{key} must be a cron expression of five fields (minute hour day month weekday, UTC) "
+                          f"like '0 4 * * *', got {value!r}")
+    return " ".join(fields)
 
 
 def _day(value: Any) -> str:

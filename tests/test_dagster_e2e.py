@@ -235,7 +235,8 @@ def _servers(root: Path, postgres_url: str | None = None):
     servers = Servers(root, postgres_url)
     generate(SMALL, servers.lake / "landing", sources=("payments",))
     (servers.lake / "lakestream.yaml").write_text(
-        "spark: {shuffle_partitions: 2}\njobs: {purchase_metrics: {max_files_per_trigger: 3, trigger_interval: 1s}}\n")
+        "spark: {shuffle_partitions: 2}\njobs: {purchase_metrics: {max_files_per_trigger: 3, trigger_interval: 1s}}\n"
+        "savepoint_schedule: '* * * * *'\n")  # (the schedule is off until a test starts it)
     servers.start()
     yield servers
     servers.stop()
@@ -387,6 +388,34 @@ def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partitio
     print(f"killed -> failed and restarted -> a batch in {time.monotonic() - killed:.0f}s")
     assert "purchase_metrics batch" in servers.run_log(restarted, last=200), servers.run_log(restarted)
     first_run, run_id = run_id, restarted
+
+    # The savepoint schedule, started: at its tick (each minute here, from the settings) the daemon launches
+    # savepoint_before_deploy, which stops the stream with a savepoint; the supervisor resumes it from there.
+    selector = {"s": {"repositoryLocationName": LOCATION, "repositoryName": "__repository__",
+                      "scheduleName": "savepoint_before_deploy_schedule"}}
+    started = servers.gql("mutation($s: ScheduleSelector!) { startSchedule(scheduleSelector: $s) { __typename "
+                          "... on PythonError { message } } }", selector)["startSchedule"]
+    assert started["__typename"] == "ScheduleStateResult", started
+    deadline, ticked = time.monotonic() + 150, []
+    while time.monotonic() < deadline and not ticked:
+        time.sleep(3)
+        ticked = servers.gql('{ runsOrError(filter: {pipelineName: "savepoint_before_deploy"}) { ... on Runs { '
+                             "results { runId tags { key value } } } } }")["runsOrError"]["results"]
+    assert ticked, (servers.root / "daemon.log").read_text()[-3000:]
+    servers.gql("mutation($s: ScheduleSelector!) { resetSchedule(scheduleSelector: $s) { __typename } }", selector)
+    assert {"key": "dagster/schedule_name", "value": "savepoint_before_deploy_schedule"} in ticked[0]["tags"]
+    assert servers.wait_run(ticked[0]["runId"], timeout=300) == "SUCCESS", servers.run_log(ticked[0]["runId"])
+    assert "purchase_metrics: savepoint " in servers.run_log(ticked[0]["runId"], last=200)
+    (landing / "zz-after-the-savepoint.jsonl").write_text(again.replace('"event_id":"again-', '"event_id":"resumed-'))
+    resumed = servers.wait_restart(run_id, timeout=240)
+    reason = {t["key"]: t["value"] for t in servers.gql(
+        "query($id: ID!) { runOrError(runId: $id) { ... on Run { tags { key value } } } }", {"id": resumed})["runOrError"]["tags"]}
+    assert reason["lakestream/restart-reason"] == "savepoint", reason
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and "purchase_metrics batch" not in servers.run_log(resumed, last=200):
+        time.sleep(2)
+    assert "purchase_metrics batch" in servers.run_log(resumed, last=200), servers.run_log(resumed)
+    run_id = resumed
 
     terminated = servers.gql("mutation($id: String!) { terminateRun(runId: $id, terminatePolicy: SAFE_TERMINATE) "
                              "{ __typename } }", {"id": run_id})["terminateRun"]

@@ -169,3 +169,17 @@ def test_late_counts_and_reconciliation_say_what_they_count():
     at = datetime(2026, 1, 1, tzinfo=timezone.utc)
     assert ReconcileReport("purchase_metrics", at, at, 0).table().startswith("counted in windows (keys + window start)")
     assert ReconcileReport("large_amount_alerts", at, at, 0, unit="rows").table().startswith("counted in output rows")
+
+
+def test_the_savepoint_schedule_is_a_setting_and_a_bad_cron_is_refused_in_one_line(tmp_path):
+    from streaming.errors import ConfigError
+    from streaming.settings import Settings
+
+    path = tmp_path / "lakestream.yaml"
+    assert Settings.load(environ={}, config_file=path if path.exists() else None).savepoint_schedule == "0 4 * * *"
+    path.write_text("savepoint_schedule: '30 3 * * 1-5'\n")
+    assert Settings.load(environ={}, config_file=path).savepoint_schedule == "30 3 * * 1-5"
+    path.write_text("savepoint_schedule: 'every day at 4'\n")
+    with pytest.raises(ConfigError) as refused:
+        Settings.load(environ={}, config_file=path)
+    assert "\n" not in str(refused.value) and "five fields" in str(refused.value) and "'0 4 * * *'" in str(refused.value)
