@@ -38,6 +38,7 @@ from streaming.run.runner import run_streams
 from streaming.time import describe_watermark, is_finite
 from streaming.io.tables import job_sinks
 
+from .checks import QUARANTINE_SHARE_MAX
 from .resources import LakestreamResource
 from .tables import STREAM_TAG, day_keys, stream_key, table_key
 
@@ -166,6 +167,20 @@ class MaterializationReporter:
                 + "; ".join(found) + ("; ..." if result.stats.quarantined > len(found) else ""))
         return found
 
+    def _quarantine_volume(self, table: str, day: str | None, e: dict, batches: str) -> dg.AssetCheckEvaluation:
+        """The quarantine check, evaluated on the batches just reported (the check's own evaluation, from the
+        asset's page or a schedule, covers everything the stream read)."""
+        share = e["quarantined"] / e["rows_in"] if e["rows_in"] else 0.0
+        where = f" ({day})" if day else ""
+        return dg.AssetCheckEvaluation(
+            asset_key=table_key(table), check_name="quarantine_volume", passed=share <= QUARANTINE_SHARE_MAX,
+            severity=dg.AssetCheckSeverity.WARN,
+            description=(f"{self.job.name} batches {batches}{where}: {e['quarantined']:,} of {e['rows_in']:,} lines "
+                         f"quarantined ({share:.2%}; the limit is {QUARANTINE_SHARE_MAX:.0%})"
+                         + (f"; e.g. {e['samples'][0]}" if e["samples"] else "")),
+            metadata={"share_pct": round(share * 100, 3), "quarantined": e["quarantined"], "lines": e["rows_in"],
+                      "job": self.job.name, "batches": batches})
+
     def flush(self) -> None:
         for (table, day), e in self.pending.items():
             version = self.versions[table]()
@@ -177,6 +192,7 @@ class MaterializationReporter:
                 self.context.log_event(dg.AssetMaterialization(
                     asset_key=table_key(table), partition=day, metadata=metadata,
                     description="; ".join(e["samples"][:2]) or None))
+                self.context.log_event(self._quarantine_volume(table, day, e, batches["batches"]))
                 continue
             metadata = {
                 **batches, "rows_in": e["rows_in"], "rows_written": e["rows_written"], "late_events": e["late"],

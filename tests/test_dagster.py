@@ -106,6 +106,8 @@ def test_a_stream_run_records_a_materialization_per_batch_and_partition(spark, s
                     if e.event_type_value == "ASSET_OBSERVATION"]
         logs = [r.user_message for r in instance.all_logs(result.run_id)]
         warned = [r.user_message for r in instance.all_logs(result.run_id) if r.level >= 30]
+        checked = [e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
+                   and e.event_specific_data.check_name == "quarantine_volume"]
         again = job.execute_in_process(instance=instance, run_config=stream_config())  # nothing new to read
         summary = [r.user_message for r in instance.all_logs(again.run_id) if "batch(es)" in r.user_message]
     files = oracle.files_in_arrival_order(Path(settings.landing_dir("payments")))
@@ -141,6 +143,10 @@ def test_a_stream_run_records_a_materialization_per_batch_and_partition(spark, s
     assert any(".jsonl: " in q.metadata["examples"].value for q in quarantine)
     assert any("quarantined: " in w and ".jsonl: " in w and ("malformed" in w or "invalid" in w or "missing" in w)
                for w in warned), warned
+    # and the quarantine check is evaluated on those batches: their lines and quarantined lines, as counted here
+    assert checked and sum(c.metadata["quarantined"].value for c in checked) == sum(
+        1 for p in files for line in oracle.read_lines(p) if oracle.validate(line) is None)
+    assert all(c.passed == (c.metadata["share_pct"].value <= 2.0) and "quarantined (" in c.description for c in checked)
 
 
 def test_the_streams_job_runs_several_jobs_in_one_application_and_is_supervised_as_a_whole(spark, small_landing):
