@@ -21,10 +21,9 @@ from streaming.settings import Settings
 from streaming.time import is_finite
 
 from .resources import LakestreamResource
-from .tables import stream_key, table_key
+from .tables import QUARANTINE_SHARE_MAX, stream_key, table_key
 
 LATE_SHARE_MAX = 0.05  # late events / events
-QUARANTINE_SHARE_MAX = 0.02  # quarantined lines / lines
 STALE_AFTER = timedelta(hours=1)
 
 

@@ -38,9 +38,8 @@ from streaming.run.runner import run_streams
 from streaming.time import describe_watermark, is_finite
 from streaming.io.tables import job_sinks
 
-from .checks import QUARANTINE_SHARE_MAX
 from .resources import LakestreamResource
-from .tables import STREAM_TAG, day_keys, stream_key, table_key
+from .tables import QUARANTINE_SHARE_MAX, STREAM_TAG, day_keys, stream_key, table_key
 
 # The states of a run that holds (or is about to hold) its streams' checkpoints.
 ACTIVE = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,

@@ -20,6 +20,7 @@ from .resources import LakestreamResource
 
 DAY = timedelta(days=1)
 STREAM_TAG = "lakestream/stream"  # on a stream's runs: its job (an application: "streams"); one run per value
+QUARANTINE_SHARE_MAX = 0.02  # quarantined lines / lines read: the quarantine_volume check's limit
 
 
 def table_key(table: Table | str) -> dg.AssetKey:
