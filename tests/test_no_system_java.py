@@ -61,6 +61,7 @@ def test_a_stream_runs_on_the_virtualenvs_java_when_the_machine_has_none(tmp_pat
     env["LAKESTREAM_HOME"] = str(tmp_path / "lake")
     env["LAKESTREAM_SPARK_MASTER"] = "local[2]"
     env["LAKESTREAM_CACHE"] = str(tmp_path / "cache")  # empty: no class compiled by an earlier run can stand in
+    env["LAKESTREAM_CLASS_ARCHIVE"] = "0"  # (recording the JVM's class archive is tested in test_class_archive)
     (tmp_path / "lake").mkdir()
     (tmp_path / "lake" / "lakestream.yaml").write_text("jobs: {purchase_metrics: {max_files_per_trigger: 6}}\n")
     check = subprocess.run([sys.executable, "-c", "import shutil; print(shutil.which('java'))"], env=env,

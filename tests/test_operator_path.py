@@ -310,7 +310,7 @@ def test_a_cache_folder_that_cannot_be_read_keeps_hadoops_file_system_without_an
         if os.access(cache, os.R_OK | os.X_OK):  # (root reads it anyway: a cache of another user, then)
             os.chmod(cache, 0o755)
             os.chown(cache, 54321, 54321)
-        assert localfs.classes_dir(_settings(tmp_path, cache)) is None
+        assert localfs.class_jar(_settings(tmp_path, cache)) is None
     finally:
         os.chmod(cache, 0o755)
 
@@ -320,12 +320,12 @@ def test_a_class_in_a_cache_others_can_write_is_not_loaded(tmp_path):
     from streaming.spark import localfs
 
     cache = tmp_path / "cache"
-    built = localfs.classes_dir(_settings(tmp_path, cache))
+    built = localfs.class_jar(_settings(tmp_path, cache))
     assert built is not None
     os.chmod(built, 0o777)  # anyone could have replaced the class the driver's JVM would load
-    assert localfs.classes_dir(_settings(tmp_path, cache)) is None
+    assert localfs.class_jar(_settings(tmp_path, cache)) is None
     os.chmod(built, 0o700)
-    assert localfs.classes_dir(_settings(tmp_path, cache)) == built
+    assert localfs.class_jar(_settings(tmp_path, cache)) == built
 
 
 def test_a_compiler_that_failed_is_not_tried_again_on_every_session(tmp_path, monkeypatch):
@@ -337,11 +337,11 @@ def test_a_compiler_that_failed_is_not_tried_again_on_every_session(tmp_path, mo
     javac.chmod(0o755)
     monkeypatch.setattr(localfs, "_javac", lambda: str(javac))
     settings = _settings(tmp_path, tmp_path / "cache")
-    assert localfs.classes_dir(settings) is None
-    assert localfs.classes_dir(settings) is None
+    assert localfs.class_jar(settings) is None
+    assert localfs.class_jar(settings) is None
     assert calls.read_text().count("run") == 1
     os.utime(javac, (time.time() + 5, time.time() + 5))  # another compiler (or a new version of it): tried again
-    assert localfs.classes_dir(settings) is None and calls.read_text().count("run") == 2
+    assert localfs.class_jar(settings) is None and calls.read_text().count("run") == 2
 
 
 def test_the_dbt_profile_is_readable_by_its_owner_only(tmp_path):

