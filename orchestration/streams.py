@@ -385,7 +385,13 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
     batches = ", ".join(f"{r.job} after batch {r.last.batch_id if r.last else None}" for r in reports)
     if signalled is not None:  # terminated from the UI (or the process was asked to stop)
         if _terminating(context):
+            # A stop on request is a clean end of the step (every batch committed): it ends without an
+            # error, and Dagster's executor, which forwarded the termination to this step's process, ends
+            # the run Canceled (the step is not shown failed, with no stack trace for a stop that went well).
             stopped_on_request()
+            context.log.info(f"{signalled} received; stopped {batches}: terminated on request, every batch "
+                             "committed (the run ends Canceled; the supervisor leaves it stopped)")
+            return
         context.log.info(f"{signalled} received; stopped {batches}")
         raise dg.DagsterExecutionInterruptedError(f"interrupted ({signalled}); stopped {batches}")
     if continuous and stop.is_set():

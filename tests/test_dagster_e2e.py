@@ -425,6 +425,10 @@ def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partitio
     log = servers.run_log(run_id, last=400)
     print(f"terminated in {time.monotonic() - asked:.1f}s\n{log[-3000:]}")
     assert "SIGINT received; stopped purchase_metrics after batch" in log, log  # taken as a stop request, not an exception
+    steps = servers.gql("query($id: ID!) { runOrError(runId: $id) { ... on Run { stepStats { stepKey status } } } }",
+                        {"id": run_id})["runOrError"]["stepStats"]
+    assert steps and all(s["status"] == "SUCCESS" for s in steps), steps  # a clean stop is no failed step
+    assert "DagsterExecutionInterruptedError" not in log, log
     report = inspect_checkpoint("purchase_metrics", str(servers.lake / "checkpoints" / "purchase_metrics"))
     assert report.last_committed_batch is not None and report.in_flight_batch is None, "stopped after its batch"
     _assert_exactly_once(servers.lake)  # across the kill, the restart and the stop (before any backfill replaces)
