@@ -170,6 +170,12 @@ def spark_conf(settings: Settings) -> dict[str, str]:
     if classes:  # (a local master's executors share the driver's class path)
         given = conf.get("spark.driver.extraClassPath")
         conf["spark.driver.extraClassPath"] = os.pathsep.join(p for p in (given, classes) if p)
+    if settings.bounded_work and settings.spark_master.startswith("local") and "GC" not in settings.jvm_options:
+        # A process that runs bounded work only (a backfill, `run --available-now`) collects its garbage with the
+        # throughput collector: on this machine a backfill of 1M payments took 0.90x the time of the default G1
+        # and an available-now run 0.93x (alternated whole processes). A continuous stream keeps G1, whose
+        # pauses stay short over days of running; so do clusters (their executors' JVMs are configured there).
+        _java_options(conf, "-XX:+UseParallelGC")
     archive = classarchive.use(settings, conf)
     if archive:
         _java_options(conf, f"-XX:SharedArchiveFile={archive} {classarchive.QUIET}")
