@@ -502,19 +502,23 @@ def test_a_run_outside_dagster_is_recorded_as_materializations(spark, small_land
     job = get_job("purchase_metrics", small_landing)
     compared = ReconcileReport(job.name, datetime(2026, 11, 20, tzinfo=timezone.utc), datetime(2026, 11, 21, tzinfo=timezone.utc),
                                1_763_600_000_000, days=[DayResult(date.fromisoformat(DAY), 40, 37, 2, 1, 0)])
+    differs = ReconcileReport(job.name, compared.start, compared.end, 1_763_600_000_000,
+                              days=[DayResult(date.fromisoformat(DAY), 40, 36, 2, 1, 1)])  # one unexplained
+    check = dg.AssetCheckKey(MAIN, "reconciliation")
     with dg.instance_for_test() as instance:
-        for _ in range(2):  # a second demo records again (no unique-constraint collision)
+        for report in (compared, differs, compared):  # each demo records its own comparison (no collision)
             where = record_outside_run(job, [DAY], what="lakestream demo", instance=instance,
-                                       metadata={"lines": 10, "watermark_ms": 1_763_600_000_000}, reconciliation=compared)
+                                       metadata={"lines": 10, "watermark_ms": 1_763_600_000_000}, reconciliation=report)
+            # the demo's comparison is the day's reconciliation check (not "Not Evaluated" right after `make demo`,
+            # nor the first demo's after a second)
+            evaluation = instance.event_log_storage.get_latest_asset_check_execution_by_key([check])[check]
+            data = evaluation.event.dagster_event.event_specific_data
+            assert data.passed is (report is compared) and data.partition == DAY, data
+            assert data.metadata["unexplained"].value == report.days[0].unexplained
         assert where is not None
-        # the demo's comparison is the day's reconciliation check (not "Not Evaluated" right after `make demo`)
-        check = dg.AssetCheckKey(MAIN, "reconciliation")
-        evaluation = instance.event_log_storage.get_latest_asset_check_execution_by_key([check])[check]
-        assert evaluation is not None and evaluation.event.dagster_event.event_specific_data.passed
-        assert evaluation.event.dagster_event.event_specific_data.partition == DAY
         records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=MAIN, asset_partitions=[DAY]),
                                                   limit=5).records
-        assert len(records) == 2
+        assert len(records) == 3
         meta = records[0].asset_materialization.metadata
         assert meta["recorded_from"].value == "lakestream demo" and meta["watermark_time"].value == 1_763_600_000
         late = instance.fetch_materializations(dg.AssetKey(["lake", "payments", "purchase_metrics_late"]), limit=1)
