@@ -19,8 +19,14 @@ from ..spark.jvm import parse_ddl
 from .schemas import RAW_SCHEMA, aggregate_type
 
 _CHECKED: set[tuple] = set()
-_EMPTY: dict = {}  # job -> (session, its empty typed events)
-_TRANSFORMED: dict = {}  # job -> (session, the transform's schema)
+_PER_SESSION: dict[tuple, tuple] = {}  # (what, job) -> (session, value): analyses made once per job and session
+
+
+def _once(what: str, spark, job: Job, build):
+    cached = _PER_SESSION.get((what, job))
+    if cached is None or cached[0] is not spark:
+        cached = _PER_SESSION[(what, job)] = (spark, build())
+    return cached[1]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -125,13 +131,11 @@ def empty_events(spark, job: Job):
     per job and session (its plan is a few hundred expressions: ~0.3 s of a cold start each time)."""
     from .parse import LINE_COLUMNS, parse_sources
 
-    cached = _EMPTY.get(job)
-    if cached is not None and cached[0] is spark:
-        return cached[1]
-    parsed = parse_sources(job, spark.createDataFrame([], RAW_SCHEMA))
-    frame = parsed.where(parsed["_reason"].isNull()).drop(*LINE_COLUMNS)
-    _EMPTY[job] = (spark, frame)
-    return frame
+    def build():
+        parsed = parse_sources(job, spark.createDataFrame([], RAW_SCHEMA))
+        return parsed.where(parsed["_reason"].isNull()).drop(*LINE_COLUMNS)
+
+    return _once("events", spark, job, build)
 
 
 def check_job(spark, job: Job) -> None:
@@ -142,7 +146,4 @@ def check_job(spark, job: Job) -> None:
 
 def transformed_schema(spark, job: Job) -> T.StructType:
     """The columns the job's transform produces (Spark analyses it; no Spark job runs)."""
-    cached = _TRANSFORMED.get(job)
-    if cached is None or cached[0] is not spark:
-        cached = _TRANSFORMED[job] = (spark, transformed(job, empty_events(spark, job)).schema)
-    return cached[1]
+    return _once("schema", spark, job, lambda: transformed(job, empty_events(spark, job)).schema)

@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .localfs import spark_jars
+
 log = logging.getLogger(__name__)
 _STALE_S = 15 * 60
 # The JVM's own messages about the archive (a class it cannot archive, an archive it ignores): not the user's.
@@ -46,15 +48,6 @@ def _java() -> str | None:
     return java if java and os.path.exists(java) else None
 
 
-def _spark_jars() -> Path:
-    spark_home = os.environ.get("SPARK_HOME")
-    if spark_home:
-        return Path(spark_home) / "jars"
-    import pyspark
-
-    return Path(pyspark.__file__).parent / "jars"
-
-
 def digest(conf: dict[str, str], java: str) -> str:
     """What the archive depends on: the Java runtime (its binary and its VM library), Spark's jars, the
     driver's extra class path and its heap size (compressed object pointers depend on it)."""
@@ -65,7 +58,7 @@ def digest(conf: dict[str, str], java: str) -> str:
     for candidate in [Path(real), *sorted(runtime.glob("lib/server/libjvm.*")), *sorted(runtime.glob("lib/server/*.jsa"))]:
         st = candidate.stat()
         parts.append(f"{candidate.name}:{st.st_size}:{st.st_mtime_ns}")
-    for jar in sorted(_spark_jars().glob("*.jar")):
+    for jar in sorted(spark_jars().glob("*.jar")):
         st = jar.stat()
         parts.append(f"{jar.name}:{st.st_size}:{st.st_mtime_ns}")
     for entry in filter(None, conf.get("spark.driver.extraClassPath", "").split(os.pathsep)):

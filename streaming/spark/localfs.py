@@ -37,15 +37,19 @@ def _javac() -> str | None:
     return shutil.which("javac")
 
 
-def _hadoop_jar() -> str | None:
-    """Hadoop's client API jar of the Spark this process runs (what the class compiles against)."""
+def spark_jars() -> Path:
+    """The folder of the jars of the Spark this process runs (``$SPARK_HOME/jars``, else pyspark's)."""
     spark_home = os.environ.get("SPARK_HOME")
     if spark_home:
-        folder = Path(spark_home) / "jars"
-    else:
-        import pyspark
+        return Path(spark_home) / "jars"
+    import pyspark
 
-        folder = Path(pyspark.__file__).parent / "jars"
+    return Path(pyspark.__file__).parent / "jars"
+
+
+def _hadoop_jar() -> str | None:
+    """Hadoop's client API jar of the Spark this process runs (what the class compiles against)."""
+    folder = spark_jars()
     jars = sorted(folder.glob("hadoop-client-api-*.jar")) or sorted(folder.glob("hadoop-common-*.jar"))
     return str(jars[-1]) if jars else None
 
