@@ -138,6 +138,9 @@ class Recording:
                 return
             print("lakestream: writing the JVM's class archive (once per machine; later starts are faster)...",
                   file=sys.stderr, flush=True)
+            active = SparkContext._active_spark_context  # noqa: SLF001 - stopped first: its accumulator server
+            if active is not None:                        # would otherwise print the JVM's exit as an EOFError
+                active.stop()
             try:
                 if proc.stdin is not None:
                     proc.stdin.close()  # the gateway exits when its standard input closes
