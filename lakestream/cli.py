@@ -36,11 +36,20 @@ def cmd_init(args) -> int:
 
     settings = _settings(args)
     spark = get_spark(settings)
-    for job in registry(settings).values():
+    jobs = list(registry(settings).values())
+    for job in jobs:
         sinks = job_sinks(spark, settings, job)
         print(f"{job.name:22} " + ", ".join(f"{s.table.name}" for s in sinks.all()))
     where = settings.warehouse if settings.format == "iceberg" else settings.delta_root
     print(f"every job's tables exist ({settings.format} under {where})")
+    try:  # (the UI then shows them as existing; a dbt mart over them builds without a missing-upstream warning)
+        from orchestration.record import record_tables_created
+
+        created = record_tables_created(jobs, what="lakestream init")
+        if created:
+            print(f"recorded in Dagster ({os.environ['DAGSTER_HOME']}): {len(created)} table(s) exist that no run had materialized")
+    except Exception as exc:  # noqa: BLE001 - the tables exist whether or not Dagster hears of it
+        print(f"(not recorded in Dagster: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
     return 0
 
 

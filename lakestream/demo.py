@@ -59,7 +59,7 @@ def run_demo(settings: Settings, cfg: GeneratorConfig) -> int:
     quarantined = quarantine.read().agg(F.coalesce(F.sum("occurrences"), F.lit(0))).first()[0]
     day = check.days[0] if check.days else None
 
-    recorded = _record_in_dagster(job, check, totals)
+    recorded = _record_in_dagster(job, check, totals, list(jobs.values()))
 
     print()
     print("lakestream demo summary")
@@ -84,18 +84,20 @@ def run_demo(settings: Settings, cfg: GeneratorConfig) -> int:
     return 1 if check.unexplained else 0
 
 
-def _record_in_dagster(job, check, totals) -> str | None:
+def _record_in_dagster(job, check, totals, jobs) -> str | None:
     """The demo's stream and bounded twin as materializations in $DAGSTER_HOME's instance (the UI then
-    shows the tables materialized). Never fails the demo."""
+    shows the tables materialized), and the other jobs' tables it created as existing. Never fails the demo."""
     try:
-        from orchestration.record import record_outside_run
+        from orchestration.record import record_outside_run, record_tables_created
 
         days = [d.day.isoformat() for d in check.days]
-        return record_outside_run(job, days, what="lakestream demo: stream (available-now) + bounded twin comparison",
-                                  metadata={"lines": totals.lines, "events": totals.events, "late_events": totals.late,
-                                            "rows_written": totals.rows_written, "watermark_ms": totals.watermark_out_ms,
-                                            "unexplained_differences": check.unexplained},
-                                  reconciliation=check)
+        where = record_outside_run(job, days, what="lakestream demo: stream (available-now) + bounded twin comparison",
+                                   metadata={"lines": totals.lines, "events": totals.events, "late_events": totals.late,
+                                             "rows_written": totals.rows_written, "watermark_ms": totals.watermark_out_ms,
+                                             "unexplained_differences": check.unexplained},
+                                   reconciliation=check)
+        record_tables_created(jobs, what="lakestream demo")
+        return where
     except Exception as exc:  # noqa: BLE001 - the demo's result does not depend on Dagster
         print(f"   (not recorded in Dagster: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
         return None

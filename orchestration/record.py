@@ -128,6 +128,30 @@ def record_outside_run(job: Job, days: list[str], *, what: str, metadata: dict,
     return os.environ.get("DAGSTER_HOME") or "the given instance"
 
 
+def record_tables_created(jobs: list[Job], *, what: str, instance: dg.DagsterInstance | None = None) -> list[str]:
+    """Report each job table that exists but that Dagster has never seen materialized (created empty by
+    ``lakestream init`` or the demo) as materialized once, without a partition: the UI then shows that the
+    table exists instead of "Never materialized", and building a dbt mart that reads it no longer warns that
+    its upstream "has not been materialized yet" (the mart builds on the empty table). A table Dagster has
+    seen materialized is left alone. Call it after the tables were created. Returns the tables reported."""
+    if instance is None:
+        if not os.environ.get("DAGSTER_HOME"):
+            return []
+        ensure_dagster_yaml()
+        instance = dg.DagsterInstance.get()
+    tables = [t for job in jobs for t in (job.sink, job.late_sink, *(s.quarantine for s in job.sources))]
+    reported = []
+    for table in dict.fromkeys(tables):  # (a source's quarantine is shared by the jobs that read it)
+        key = table_key(table)
+        if instance.get_latest_materialization_event(key) is not None:
+            continue
+        instance.report_runless_asset_event(dg.AssetMaterialization(
+            asset_key=key, metadata={"recorded_from": what, "table": table.name},
+            description=f"the table exists: created by {what} (outside Dagster), before any run wrote to it"))
+        reported.append(table.name)
+    return reported
+
+
 def _forget_runless_evaluation(instance: dg.DagsterInstance, evaluation: dg.AssetCheckEvaluation) -> None:
     """Dagster 1.13 indexes one runless evaluation per check and partition (a unique index over the check, the
     run id, empty when runless, and the partition): a second `make demo` could not record its comparison, and

@@ -28,7 +28,7 @@ from streaming.declaration import Job
 
 from .checks import health_evaluation
 from .resources import LakestreamResource
-from .streams import ACTIVE, APP_JOB, APP_OP, JOBS_TAG, PROCESS_TAG, DesiredState, jobs_of_run
+from .streams import ACTIVE, APP_JOB, APP_OP, JOBS_TAG, PROCESS_TAG, DesiredState, durations_of, jobs_of_run
 from .tables import landing_key, landing_observation, landing_sources, stream_key
 
 MAX_ATTEMPTS = 5
@@ -177,9 +177,7 @@ def supervise(instance: dg.DagsterInstance, job: Job, now: float | None = None,
         if now - ended < wait:
             return None
     previous = last.dagster_run.run_id if last else "none"
-    config = {"mode": "continuous", "trigger_interval": wanted.get("trigger_interval", ""),
-              "materialize_every": wanted.get("materialize_every", "10s"),
-              "rollover_after": wanted.get("rollover_after", "24h"),
+    config = {"mode": "continuous", **durations_of(wanted),
               "max_files_per_trigger": int(wanted.get("max_files_per_trigger") or 0)}
     together = [job.name]
     if application:  # the application restarts as a whole, with those of its jobs that should run

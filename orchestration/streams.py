@@ -4,8 +4,8 @@ While a stream runs, each committed micro-batch becomes an ``AssetMaterializatio
 table and day partition it touched, with numeric metadata Dagster plots (rows in and written,
 input and processing rate, batch duration, watermark and its lag, state rows, table version).
 A run's event log slows down past a few thousand events, so the events of one table and
-partition are merged over ``materialize_every`` (default 10 s; ``0s`` logs every batch) and a
-continuous run ends itself after ``rollover_after`` (default 24 h); the ``stream_supervisor``
+partition are merged over ``materialize_every_seconds`` (default 10; 0 logs every batch) and a
+continuous run ends itself after ``rollover_after_seconds`` (default a day); the ``stream_supervisor``
 sensor starts the next one from the checkpoint.
 
 The ``streams`` job runs several jobs (run config ``jobs``, default all) as queries of one Spark
@@ -20,11 +20,14 @@ crashes leaves *running* behind, and the supervisor restarts it (an application 
 
 import enum
 import json
+import math
 import os
 import queue
 import socket
 import threading
 import time
+from datetime import timedelta
+from typing import Optional
 
 import dagster as dg
 from dagster_pyspark import LazyPySparkResource
@@ -32,7 +35,7 @@ from pydantic import Field
 
 from streaming.checkpoint.lease import pid_start_of
 from streaming.declaration import Job, late_count
-from streaming.time import parse_duration
+from streaming.time import format_duration, parse_duration
 from streaming.run.commit import BatchResult
 from streaming.run.runner import run_streams
 from streaming.time import describe_watermark, is_finite
@@ -58,12 +61,32 @@ class StreamConfig(dg.Config):
 
     mode: Mode = Field(Mode.available_now, description="available_now: consume what exists, then stop; "
                        "continuous: run until terminated (the supervisor restarts it)")
-    trigger_interval: str = Field("", description="time between micro-batches, e.g. 5s (empty: the job's setting; "
-                                  "default: a batch as soon as input arrives and the last one has committed)")
+    # Durations are numbers of seconds, as in Dagster's own settings: the launchpad checks a number's
+    # type before a run starts (it cannot check the format of a text such as '5s').
+    trigger_interval_seconds: Optional[float] = Field(
+        None, description="seconds between micro-batches, e.g. 5 or 0.25 (empty: the job's setting, by default "
+        "a batch as soon as input arrives and the last one has committed)")
     max_files_per_trigger: int = Field(0, description="landing files per micro-batch (0: the job's setting)")
     from_savepoint: str = ""  # a savepoint id: restore it (checkpoint and tables) before starting
-    materialize_every: str = "10s"  # merge a table partition's batches into one event per interval
-    rollover_after: str = "24h"  # a continuous run ends itself after this long; the supervisor restarts it
+    materialize_every_seconds: float = Field(10.0, description="merge a table partition's batches into one "
+                                             "materialization per this many seconds (0: one per batch)")
+    rollover_after_seconds: float = Field(86400.0, description="a continuous run ends itself after this many "
+                                          "seconds (default a day); the supervisor starts the next one")
+
+
+DURATION_FIELDS = ("trigger_interval_seconds", "materialize_every_seconds", "rollover_after_seconds")
+_AS_TEXT = {"trigger_interval": "trigger_interval_seconds", "materialize_every": "materialize_every_seconds",
+            "rollover_after": "rollover_after_seconds"}  # (how instances of 0.x kept them, e.g. '5s')
+
+
+def durations_of(wanted: dict) -> dict:
+    """A stream's duration settings as run config, from its desired state (written by the stream's last run;
+    an instance written before they were numbers of seconds has them as text, e.g. '5s')."""
+    config = {field: wanted[field] for field in DURATION_FIELDS if wanted.get(field) is not None}
+    for text, field in _AS_TEXT.items():
+        if field not in config and str(wanted.get(text) or "").strip():
+            config[field] = parse_duration(wanted[text], field=text).total_seconds()
+    return config
 
 
 class DesiredState:
@@ -250,10 +273,12 @@ class StreamsConfig(dg.Config):
     jobs: list[str] = []  # empty: every job
     mode: Mode = Mode.available_now
     max_files_per_trigger: int = Field(0, description="landing files per micro-batch, each job (0: its setting)")
-    trigger_interval: str = Field("", description="time between micro-batches, e.g. 5s (empty: each job's setting)")
+    trigger_interval_seconds: Optional[float] = Field(None, description="seconds between micro-batches, each job "
+                                                      "(empty: its setting)")
     from_savepoints: dict[str, str] = {}  # job -> savepoint id to restore before starting
-    materialize_every: str = "10s"
-    rollover_after: str = "24h"
+    materialize_every_seconds: float = Field(10.0, description="one materialization per table partition per this "
+                                             "many seconds (0: one per batch)")
+    rollover_after_seconds: float = Field(86400.0, description="a continuous run ends itself after this many seconds")
 
 
 JOBS_TAG = "lakestream/jobs"  # the lakestream jobs a stream run runs, comma-separated
@@ -302,7 +327,13 @@ def streaming_elsewhere(instance: dg.DagsterInstance, run_id: str, names: list[s
 def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, from_savepoints: dict[str, str],
                  lakestream: LakestreamResource, pyspark: LazyPySparkResource, partitions_def) -> None:
     """What a stream run does, for one job or several (one query each, in one Spark application)."""
-    interval = parse_duration(config.trigger_interval, field="trigger_interval") if config.trigger_interval.strip() else None
+    for field in DURATION_FIELDS:
+        value = getattr(config, field)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise dg.Failure(f"{field} must be a number of seconds, 0 or more, got {value}", allow_retries=False)
+    if config.rollover_after_seconds == 0:
+        raise dg.Failure("rollover_after_seconds must be more than 0 (default 86400, a day)", allow_retries=False)
+    interval = None if config.trigger_interval_seconds is None else timedelta(seconds=config.trigger_interval_seconds)
     if config.max_files_per_trigger < 0:
         raise dg.Failure(f"max_files_per_trigger must be 1 or more (0: the job's setting), got {config.max_files_per_trigger}")
     settings = lakestream.settings()
@@ -339,11 +370,11 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
     if continuous:
         for name in names:
             DesiredState(context.instance, name).set(
-                "running", run_id=context.run_id, mode=config.mode.value, trigger_interval=config.trigger_interval,
-                materialize_every=config.materialize_every, rollover_after=config.rollover_after,
+                "running", run_id=context.run_id, mode=config.mode.value,
+                **{field: getattr(config, field) for field in DURATION_FIELDS},
                 max_files_per_trigger=config.max_files_per_trigger,
                 **({"application": application} if application else {}))
-    every_s = parse_duration(config.materialize_every).total_seconds()
+    every_s = config.materialize_every_seconds
     reporters = {}
     for job in declared:
         sinks = job_sinks(spark, settings, job)
@@ -360,7 +391,7 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
             DesiredState(context.instance, name).set("stopped", reason="terminated", run_id=context.run_id)
 
     stop = threading.Event()
-    rolled = threading.Timer(parse_duration(config.rollover_after).total_seconds(), stop.set)
+    rolled = threading.Timer(config.rollover_after_seconds, stop.set)
     if continuous:
         rolled.start()
     try:
@@ -395,7 +426,8 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
         context.log.info(f"{signalled} received; stopped {batches}")
         raise dg.DagsterExecutionInterruptedError(f"interrupted ({signalled}); stopped {batches}")
     if continuous and stop.is_set():
-        context.log.info(f"rolled over after {config.rollover_after}; the supervisor starts the next run")
+        context.log.info(f"rolled over after {format_duration(timedelta(seconds=config.rollover_after_seconds))}; "
+                         "the supervisor starts the next run")
     for report in reports:
         s = report.stats
         if report.totals is not None:
@@ -442,7 +474,7 @@ def streams_job(jobs: list[Job], partitions_def) -> dg.JobDefinition:
                      partitions_def)
 
     @dg.job(name=APP_JOB, description="Stream several jobs in one Spark application (run config: jobs, mode, "
-                                      "trigger_interval, from_savepoints)", tags={STREAM_TAG: APP_JOB})
+                                      "trigger_interval_seconds, from_savepoints)", tags={STREAM_TAG: APP_JOB})
     def streams():
         run()
 

@@ -33,7 +33,7 @@ def defs_for(settings):
 
 
 def stream_config(mode="available_now", **extra):
-    return {"ops": {"purchase_metrics": {"config": {"mode": mode, "materialize_every": "0s", **extra}}}}
+    return {"ops": {"purchase_metrics": {"config": {"mode": mode, "materialize_every_seconds": 0, **extra}}}}
 
 
 def latest_check(instance, key: dg.AssetKey, name: str, partition: str | None = None):
@@ -155,7 +155,7 @@ def test_the_streams_job_runs_several_jobs_in_one_application_and_is_supervised_
     names = ["purchase_metrics", "large_amount_alerts"]
     settings = write_config(small_landing, {n: {"max_files_per_trigger": 6} for n in names})
     defs = defs_for(settings)
-    config = {"ops": {"run_streams": {"config": {"jobs": names, "materialize_every": "0s"}}}}
+    config = {"ops": {"run_streams": {"config": {"jobs": names, "materialize_every_seconds": 0}}}}
     with dg.instance_for_test() as instance:
         result = defs.resolve_job_def("streams").execute_in_process(instance=instance, run_config=config)
         assert result.success
@@ -165,7 +165,7 @@ def test_the_streams_job_runs_several_jobs_in_one_application_and_is_supervised_
 
         # a continuous application that ended (rolled over, say) restarts as a whole: one request
         for n in names:
-            DesiredState(instance, n).set("running", trigger_interval="1s", application=names, run_id=result.run_id)
+            DesiredState(instance, n).set("running", trigger_interval_seconds=1, application=names, run_id=result.run_id)
         sensor = defs.resolve_sensor_def("stream_supervisor")
         requests = sensor(dg.build_sensor_context(instance=instance, definitions=defs, resources=defs.resources))
         assert len(requests) == 1 and requests[0].job_name == "streams", requests
@@ -365,9 +365,10 @@ def test_supervisor_restarts_a_crashed_stream_with_backoff_but_not_a_terminated_
     job = get_job("purchase_metrics")
     with dg.instance_for_test() as instance:
         assert supervise(instance, job) is None  # nobody asked for it to run
-        DesiredState(instance, job.name).set("running", trigger_interval="1s")
+        DesiredState(instance, job.name).set("running", trigger_interval_seconds=1)
         first = supervise(instance, job)
         assert first is not None and first.run_config["ops"]["purchase_metrics"]["config"]["mode"] == "continuous"
+        assert first.run_config["ops"]["purchase_metrics"]["config"]["trigger_interval_seconds"] == 1
 
         failed = defs.resolve_job_def("purchase_metrics_stream").execute_in_process(
             instance=instance, raise_on_error=False,
@@ -413,7 +414,7 @@ def test_savepoint_before_deploy_stops_the_stream_and_the_supervisor_resumes_fro
         time.sleep(0.5)
     defs = defs_for(settings)
     with dg.instance_for_test() as instance:
-        DesiredState(instance, job.name).set("running", trigger_interval="1s")
+        DesiredState(instance, job.name).set("running", trigger_interval_seconds=1)
         result = defs.resolve_job_def("savepoint_before_deploy").execute_in_process(instance=instance)
         assert result.success
         runner.join(timeout=60)
@@ -524,6 +525,24 @@ def test_a_run_outside_dagster_is_recorded_as_materializations(spark, small_land
         late = instance.fetch_materializations(dg.AssetKey(["lake", "payments", "purchase_metrics_late"]), limit=1)
         assert late.records
 
+        # the demo created every job's table: those Dagster never saw materialized are recorded as existing, so
+        # materializing a mart does not warn that an upstream "has not been materialized yet" (the UI's test:
+        # a materializable upstream asset without any materialization)
+        from orchestration.record import record_tables_created
+        from streaming.project import registry
+
+        graph = defs_for(small_landing).resolve_asset_graph()
+        marts = [k for k in graph.get_all_asset_keys() if k.path[:2] == ["lake", "marts"]]
+        upstream = {p for m in marts for p in graph.get(m).parent_keys if graph.get(p).is_materializable}
+        assert MAIN in upstream and len(upstream) >= 6, upstream
+        missing = [k for k in upstream if instance.get_latest_materialization_event(k) is None]
+        assert missing and MAIN not in missing  # before: every job's table but the demo's is "never materialized"
+        created = record_tables_created(list(registry(small_landing).values()), what="lakestream demo", instance=instance)
+        assert "lake.payments.purchase_metrics" not in created and len(created) >= len(missing)
+        assert [k for k in upstream if instance.get_latest_materialization_event(k) is None] == []
+        assert record_tables_created(list(registry(small_landing).values()), what="lakestream demo", instance=instance) == []
+        assert len(instance.fetch_materializations(MAIN, limit=10).records) == 3  # the demo's, not a creation
+
 
 def test_a_fresh_dagster_home_is_created_once_before_its_processes_start(tmp_path):
     """`make ui` and the e2e servers prepare DAGSTER_HOME first: the webserver, the daemon and their
@@ -614,7 +633,7 @@ def test_a_stream_run_whose_process_is_gone_is_failed_and_restarted_by_the_super
     gone.wait()
     lease = Lease(str(tmp_path / "checkpoints" / job.name), job=job.name)
     with dg.instance_for_test() as instance:
-        DesiredState(instance, job.name).set("running", trigger_interval="1s")
+        DesiredState(instance, job.name).set("running", trigger_interval_seconds=1)
 
         def started(run_id: str, process: str) -> DagsterRun:
             run = DagsterRun(job_name="purchase_metrics_stream", run_id=run_id, status=DagsterRunStatus.STARTED,
@@ -627,7 +646,7 @@ def test_a_stream_run_whose_process_is_gone_is_failed_and_restarted_by_the_super
         assert supervise(instance, job, now=later, lease=lease) is None  # a run is active
         assert instance.get_run_by_id(alive.run_id).status == DagsterRunStatus.STARTED
         instance.report_run_canceled(instance.get_run_by_id(alive.run_id))
-        DesiredState(instance, job.name).set("running", trigger_interval="1s")
+        DesiredState(instance, job.name).set("running", trigger_interval_seconds=1)
 
         dead = started("b" * 36, f"{socket.gethostname()}:{gone.pid}:")
         assert supervise(instance, job, now=time.time(), lease=lease) is None  # gone, but it logged just now
@@ -666,9 +685,30 @@ def test_a_second_launch_canceled_while_it_waited_in_the_queue_does_not_stop_the
 
     job = get_job("purchase_metrics")
     with dg.instance_for_test() as instance:
-        DesiredState(instance, job.name).set("running", trigger_interval="1s")
+        DesiredState(instance, job.name).set("running", trigger_interval_seconds=1)
         instance.add_run(DagsterRun(job_name="purchase_metrics_stream", run_id="d" * 36, status=DagsterRunStatus.CANCELED,
                                     tags={"lakestream/jobs": job.name}))
         request = supervise(instance, job)
         assert request is not None and request.tags["lakestream/restart-reason"] == "ended"
         assert DesiredState(instance, job.name).get()["state"] == "running"
+
+
+def test_durations_are_seconds_the_run_config_checks_and_a_restart_reads_an_older_instances_text(lake):
+    """A duration in a stream's run config is a number of seconds, so Dagster's validation (the launchpad's)
+    refuses '5 sec' before any run starts; a desired state kept by an older version ('5s') still restarts."""
+    from streaming.project import get_job
+
+    stream = defs_for(lake).resolve_job_def("purchase_metrics_stream")
+    for bad in ({"trigger_interval_seconds": "5 sec"}, {"materialize_every_seconds": "10s"}, {"trigger_interval": "5s"}):
+        with pytest.raises(dg.DagsterInvalidConfigError) as refused:
+            dg.validate_run_config(stream, stream_config(**bad))
+        assert next(iter(bad)) in str(refused.value)
+    dg.validate_run_config(stream, stream_config("continuous", trigger_interval_seconds=0.25, rollover_after_seconds=3600))
+    job = get_job("purchase_metrics")
+    with dg.instance_for_test() as instance:
+        DesiredState(instance, job.name).set("running", trigger_interval="5s", materialize_every="0s", rollover_after="2h")
+        config = supervise(instance, job).run_config
+        assert config["ops"]["purchase_metrics"]["config"] == {
+            "mode": "continuous", "trigger_interval_seconds": 5.0, "materialize_every_seconds": 0.0,
+            "rollover_after_seconds": 7200.0, "max_files_per_trigger": 0, "from_savepoint": ""}
+        dg.validate_run_config(stream, config)

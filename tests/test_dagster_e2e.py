@@ -311,6 +311,10 @@ def test_the_instance_config_the_mode_choice_and_a_run_outside_dagster(servers):
     # mode is a choice: a typo is refused by the launchpad's validation, before any run starts
     refused = servers.launch_stream({"mode": "continous"})
     assert refused["__typename"] == "RunConfigValidationInvalid", refused
+    # so is a duration that is not a number of seconds (a text such as '5 sec' could only fail the run)
+    refused = servers.launch_stream({"trigger_interval_seconds": "5 sec"})
+    assert refused["__typename"] == "RunConfigValidationInvalid", refused
+    assert "trigger_interval_seconds" in json.dumps(refused["errors"]), refused
     # a run from a shell (`make demo`) recorded in this instance shows on the table in the UI's API
     env = {**os.environ, "DAGSTER_HOME": str(servers.dagster_home), "LAKESTREAM_HOME": str(servers.lake)}
     code = ("from orchestration.record import record_outside_run; from streaming.project import get_job; "
@@ -337,7 +341,7 @@ def test_the_deployed_instance_keeps_its_storage_in_postgresql(deployed, postgre
 
 def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partition(deployed):
     servers = deployed
-    launched = servers.launch_stream({"mode": "continuous", "trigger_interval": "1s", "materialize_every": "0s"})
+    launched = servers.launch_stream({"mode": "continuous", "trigger_interval_seconds": 1, "materialize_every_seconds": 0})
     assert launched["__typename"] == "LaunchRunSuccess", launched
     run_id = launched["run"]["runId"]
 

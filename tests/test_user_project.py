@@ -395,7 +395,7 @@ def test_dagster_picks_up_the_sensors_project_streams_it_and_backfills_a_day(spa
     with dg.instance_for_test() as instance:
         streamed = defs.resolve_job_def("device_temperature_stream").execute_in_process(
             instance=instance, run_config={"ops": {"device_temperature": {"config": {"mode": "available_now",
-                                                                                    "materialize_every": "0s"}}}})
+                                                                                    "materialize_every_seconds": 0}}}})
         assert streamed.success
         assert instance.fetch_materializations(main, limit=1).records
         bounded = [a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and main in a.keys]
