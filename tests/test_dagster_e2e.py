@@ -317,13 +317,25 @@ def test_the_instance_config_the_mode_choice_and_a_run_outside_dagster(servers):
     assert "trigger_interval_seconds" in json.dumps(refused["errors"]), refused
     # a run from a shell (`make demo`) recorded in this instance shows on the table in the UI's API
     env = {**os.environ, "DAGSTER_HOME": str(servers.dagster_home), "LAKESTREAM_HOME": str(servers.lake)}
-    code = ("from orchestration.record import record_outside_run; from streaming.project import get_job; "
+    code = ("from orchestration.record import record_outside_run, record_tables_created; "
+            "from streaming.project import get_job, registry; "
             f"print(record_outside_run(get_job('purchase_metrics'), ['{DAY}'], what='lakestream demo', "
-            "metadata={'lines': 1}))")
+            "metadata={'lines': 1})); print(record_tables_created(list(registry().values()), what='lakestream demo'))")
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     late = servers.materializations(MAIN[:-1] + ["purchase_metrics_late"])
     assert any(m["partition"] == DAY and not m["runId"] for m in late), late
+    # the tables the demo created are not "never materialized": materializing a mart asks the UI's question
+    # (a materializable upstream asset without a materialization) and finds none
+    marts = servers.gql('{ assetNodes { assetKey { path } dependencyKeys { path } } }')["assetNodes"]
+    upstream = {tuple(d["path"]) for n in marts if n["assetKey"]["path"][:2] == ["lake", "marts"]
+                for d in n["dependencyKeys"]}
+    assert tuple(MAIN) in upstream and len(upstream) >= 6, upstream
+    nodes = servers.gql("query($k: [AssetKeyInput!]) { assetNodes(assetKeys: $k) { assetKey { path } "
+                        "isMaterializable assetMaterializations(limit: 1) { timestamp } } }",
+                        {"k": [{"path": list(k)} for k in upstream]})["assetNodes"]
+    assert len(nodes) == len(upstream)
+    assert [n["assetKey"]["path"] for n in nodes if n["isMaterializable"] and not n["assetMaterializations"]] == []
 
 
 def test_the_deployed_instance_keeps_its_storage_in_postgresql(deployed, postgres_url):
