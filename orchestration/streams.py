@@ -35,10 +35,9 @@ from pydantic import Field
 
 from streaming.checkpoint.lease import pid_start_of
 from streaming.declaration import Job, late_count
-from streaming.time import format_duration, parse_duration
 from streaming.run.commit import BatchResult
 from streaming.run.runner import run_streams
-from streaming.time import describe_watermark, is_finite
+from streaming.time import describe_watermark, format_duration, is_finite, parse_duration
 from streaming.io.tables import job_sinks
 
 from .resources import LakestreamResource
@@ -76,7 +75,7 @@ class StreamConfig(dg.Config):
 
 DURATION_FIELDS = ("trigger_interval_seconds", "materialize_every_seconds", "rollover_after_seconds")
 _AS_TEXT = {"trigger_interval": "trigger_interval_seconds", "materialize_every": "materialize_every_seconds",
-            "rollover_after": "rollover_after_seconds"}  # (how instances of 0.x kept them, e.g. '5s')
+            "rollover_after": "rollover_after_seconds"}  # (as text, e.g. '5s', before they were seconds)
 
 
 def durations_of(wanted: dict) -> dict:

@@ -89,6 +89,7 @@ def _checks(field: Field, raw: Column) -> tuple[str | None, Column | None]:
 
 
 def _violation(regex: str | None, rest: Column | None, raw: Column) -> Column | None:
+    """True when a present value breaks the rule (``_checks``' two parts); None when there is nothing to check."""
     parts = ([~raw.rlike(regex)] if regex else []) + ([rest] if rest is not None else [])
     return None if not parts else parts[0] if len(parts) == 1 else parts[0] | parts[1]
 
@@ -194,10 +195,7 @@ def _build(source: Source, columns: list[str]) -> tuple[list[Column], ...]:
             matched.append(missing)
         regex, rest = _checks(f, raw_value)
         invalid = F.concat(F.lit(f"invalid {f.name} (expected {_rule(f)}): "), _show(raw_value))
-        violation = _violation(regex, rest, raw_value)
-        if violation is None:
-            continue
-        checks.append(F.when(raw_value.isNotNull() & violation, invalid))
+        checks.append(F.when(raw_value.isNotNull() & _violation(regex, rest, raw_value), invalid))
         part = _joinable(regex) if regex else None
         if part is not None:
             joined.append((raw_value, part))
