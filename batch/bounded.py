@@ -100,7 +100,9 @@ def _keyed(spark, job: KeyedJob, raw: DataFrame, lo: int, hi: int, say, started:
     parsed = parse_sources(job, raw)
     t_ms = F.unix_millis(F.col(job.source.event_time))
     first = lo - int(job.history / timedelta(milliseconds=1))
-    parsed = parsed.where(F.col("_reason").isNotNull() | ((t_ms >= first) & (t_ms < hi)))
+    # Cached: the function's input is the transformed events and the invalid lines, two readers of the
+    # parsed lines, which would otherwise read and parse every line twice (the windowed twin caches them too).
+    parsed = parsed.where(F.col("_reason").isNotNull() | ((t_ms >= first) & (t_ms < hi))).cache()
     frame = bounded_frame(job, parsed).cache()
     output = KeyedOutput(job, frame, main_schema(job))
     c = output.counts()
@@ -117,5 +119,5 @@ def _keyed(spark, job: KeyedJob, raw: DataFrame, lo: int, hi: int, say, started:
         job=job, lo=lo, hi=hi, main=output.main().where((column >= lo) & (column < hi)),
         consumed=events.select(F.col(key).cast("string").alias(key)),
         quarantine={s.name: output.quarantine(s.name) for s in job.sources},
-        _stats=lambda: stats, _release=[frame.unpersist],
+        _stats=lambda: stats, _release=[frame.unpersist, parsed.unpersist],
     )

@@ -167,6 +167,7 @@ class KeyedRuntime:
         self.ctx = Context(self.timers)
         self.Event = namedtuple("Event", payload_columns, rename=True)
         self.output_columns = list(output_columns)
+        self._names = frozenset(self.output_columns)
         self._width = len(self.output_columns)
         self.dedup_ttl_ms = dedup_ttl_ms
         self.decode = decode
@@ -268,10 +269,10 @@ class KeyedRuntime:
 
     def _row(self, row: Any) -> tuple:
         if isinstance(row, dict):
-            unknown = set(row) - set(self.output_columns)
-            if unknown:
+            if not self._names.issuperset(row):
+                unknown = set(row) - self._names
                 raise ValueError(f"output row has unknown column(s) {sorted(unknown)}; the output schema is {self.output_columns}")
-            return tuple(row.get(c) for c in self.output_columns)
+            return tuple(map(row.get, self.output_columns))
         values = tuple(row)
         if len(values) != self._width:
             raise ValueError(f"output row {values!r} has {len(values)} values; the output schema has {self.output_columns}")

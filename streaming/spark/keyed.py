@@ -434,14 +434,18 @@ class _Adapter:
                 lines[(s, f, r)] = [why, 1]
             else:
                 seen[1] += 1
-        rows = [{"_kind": "q", "_q_src": s, "_q_file": f, "_q_raw": r, "_q_reason": why, "_q_n": n}
-                for (s, f, r), (why, n) in lines.items()]
+        rows = _Rows()
+        for (s, f, r), (why, n) in lines.items():
+            rows.side_row("q", None, {"_q_src": s, "_q_file": f, "_q_raw": r, "_q_reason": why, "_q_n": n})
         return self.frame(rows)
 
-    def result_rows(self, key: tuple, result, rows: list[dict]) -> None:
-        keys = {KEY + k: v for k, v in zip(self.job.keys, key)}
-        rows += [{"_kind": "out", **keys, **dict(zip((OUT + n for n in self.main.names), out))} for out in result.outputs]
-        if result.late and self._file_of is None and self._files is not None:
+    def result_rows(self, key: tuple, result, rows: "_Rows") -> None:
+        if result.outputs:
+            rows.keys += [key] * len(result.outputs)
+            rows.outs += result.outputs
+        if not result.late:
+            return
+        if self._file_of is None and self._files is not None:
             ids, files, events = self._files
             self._file_of = dict(zip(ids, zip(files.tolist(), events.tolist())))
         file_of = self._file_of or {}
@@ -451,20 +455,38 @@ class _Adapter:
             if event is None:  # (a transform that carried nothing through: the columns it kept)
                 event = json.dumps(fields, default=_json_default, sort_keys=True)
             source = fields.get("source")
-            rows.append({"_kind": "late", **keys, "_l_t": t, "_l_id": event_id, "_l_event": event, "_l_file": file,
-                         "_l_src": source if isinstance(source, str) else None})
+            rows.side_row("late", key, {"_l_t": t, "_l_id": event_id, "_l_event": event, "_l_file": file,
+                                        "_l_src": source if isinstance(source, str) else None})
 
-    def frame(self, rows: list[dict]) -> pd.DataFrame:
-        """Rows (dicts by output column) as a pandas frame Arrow converts to the output schema."""
-        columns = {}
-        n = len(rows)
+    def frame(self, rows: "_Rows") -> pd.DataFrame:
+        """The rows as a pandas frame Arrow converts to the output schema, built column by column: the main
+        rows first (their values as the function returned them), then the side rows (one JSON text each)."""
+        n_out, n_side = len(rows.outs), len(rows.side)
+        n = n_out + n_side
+        keys = rows.keys + rows.side_keys
+        outs = list(zip(*rows.outs)) if n_out else [()] * len(self.main.names)
+        fill = [None] * n_side
+        columns = {"_kind": pd.Series(["out"] * n_out + rows.side_kinds, dtype=object)}
+        for i, k in enumerate(self.job.keys):
+            columns[KEY + k] = [None if key is None else key[i] for key in keys]
+        for j, name in enumerate(self.main.names):
+            columns[OUT + name] = [*outs[j], *fill]
+        columns[SIDE] = [None] * n_out + rows.side
+        return self._frame(columns, n)
+
+    def _frame(self, columns: dict, n: int) -> pd.DataFrame:
+        # A frame made from a dict in the output's order: one also given its column list converts every
+        # column to objects first (a Timestamp per value of a time column).
+        data = {}
         for f in self.output.fields:
-            if f.name == SIDE:
-                values = [_side_json(row) for row in rows]
+            values = columns[f.name]
+            if isinstance(values, pd.Series):
+                data[f.name] = values
+            elif values.count(None) == n:
+                data[f.name] = pd.Series(values, dtype=object)
             else:
-                values = [row.get(f.name) for row in rows]
-            columns[f.name] = pd.Series(values, dtype=object) if values.count(None) == n else _column(values, f.dataType)
-        return pd.DataFrame(columns, columns=self.output_names)
+                data[f.name] = _column(values, f.dataType)
+        return pd.DataFrame(data)
 
     def process_bucket(self, pdf: pd.DataFrame | None, saved: dict, watermark: int, now_ms: int,
                        bounded: bool = False) -> pd.DataFrame:
@@ -474,7 +496,7 @@ class _Adapter:
         states, wakes, pwakes = saved.setdefault("s", {}), saved.setdefault("w", {}), saved.setdefault("p", {})
         due = [k for k, w in wakes.items() if k not in events and (w <= watermark or (self.processing and not bounded))]
         due += [k for k, w in pwakes.items() if k not in events and k not in due and w <= now_ms]
-        rows: list[dict] = []
+        rows = _Rows()
         inputs = duplicates = 0
         max_t = None
         for key in [*events, *due]:
@@ -495,12 +517,34 @@ class _Adapter:
                 else:
                     table[key] = at
         if inputs or rows:
-            rows.append({"_kind": "stats", "_s_in": inputs, "_s_dup": duplicates, "_s_max_t": max_t, "_s_wm": watermark})
+            rows.side_row("stats", None, {"_s_in": inputs, "_s_dup": duplicates, "_s_max_t": max_t, "_s_wm": watermark})
         return self.frame(rows)
 
 
-def _side_json(row: dict) -> str | None:
-    side = {k: v for k, v in row.items() if k in _SIDE_NAMES and v is not None}
+class _Rows:
+    """One call's output rows, kept column-wise: the main rows (their keys and the function's value tuples)
+    and the side rows (kind, key, fields as one JSON text)."""
+
+    __slots__ = ("keys", "outs", "side_kinds", "side_keys", "side")
+
+    def __init__(self) -> None:
+        self.keys: list[tuple] = []
+        self.outs: list[tuple] = []
+        self.side_kinds: list[str] = []
+        self.side_keys: list[tuple | None] = []
+        self.side: list[str | None] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.outs or self.side)
+
+    def side_row(self, kind: str, key: tuple | None, fields: dict) -> None:
+        self.side_kinds.append(kind)
+        self.side_keys.append(key)
+        self.side.append(_side_json(fields))
+
+
+def _side_json(fields: dict) -> str | None:
+    side = {k: v for k, v in fields.items() if v is not None}
     return json.dumps(side, ensure_ascii=False, separators=(",", ":")) if side else None
 
 
