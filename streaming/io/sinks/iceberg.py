@@ -38,6 +38,14 @@ def _sql_ts(ms: int) -> str:
 SMALL_WRITE_ROWS = 100_000  # rows one task writes unshuffled (Iceberg's fanout writer, a file per partition)
 
 
+# Every Iceberg commit writes a new metadata file holding the table's whole snapshot list (~1.2 KB per
+# snapshot of a lakestream table), and by default keeps every earlier one: a stream that commits its late
+# table once a second would leave 3,600 metadata files an hour, their sizes growing with each (gigabytes
+# within hours). Kept: the last few. Snapshots themselves are untouched: savepoints and the commit lookups of
+# a replayed batch read them.
+METADATA_RETENTION = {"write.metadata.delete-after-commit.enabled": "true", "write.metadata.previous-versions-max": "20"}
+
+
 class IcebergSink:
     format = "iceberg"
 
@@ -61,12 +69,13 @@ class IcebergSink:
             if missing:  # a newer lakestream adds columns (nullable) to a table an older one created
                 columns = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in missing)
                 self.spark.sql(f"ALTER TABLE {self.table.name} ADD COLUMNS ({columns})")
+            self._keep_few_metadata_files()
             return
         self.spark.sql(f"CREATE NAMESPACE IF NOT EXISTS {self.table.namespace}")
         columns = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in schema.fields)
         partition = f"PARTITIONED BY (days(`{partition_column}`))" if partition_column else ""
         text = comment.replace("\\", "\\\\").replace("'", "\\'")
-        props = {"format-version": "2", "write.distribution-mode": "hash"}
+        props = {"format-version": "2", "write.distribution-mode": "hash", **METADATA_RETENTION}
         if upserts:
             props.update({f"write.{op}.mode": "merge-on-read" for op in ("merge", "update", "delete")})
         properties = ", ".join(f"'{k}'='{v}'" for k, v in props.items())
@@ -74,6 +83,16 @@ class IcebergSink:
             f"CREATE TABLE IF NOT EXISTS {self.table.name} ({columns}) USING iceberg {partition} "
             f"COMMENT '{text}' TBLPROPERTIES ({properties})"
         )
+
+    def _keep_few_metadata_files(self) -> None:
+        """A table an older lakestream (or someone else) created keeps every metadata file it ever wrote: set
+        :data:`METADATA_RETENTION` on it unless its owner chose otherwise."""
+        key = "write.metadata.delete-after-commit.enabled"
+        rows = self.spark.sql(f"SHOW TBLPROPERTIES {self.table.name} ('{key}')").collect()
+        if rows and "does not have property" not in (rows[0]["value"] or ""):
+            return  # set, either way
+        properties = ", ".join(f"'{k}'='{v}'" for k, v in METADATA_RETENTION.items())
+        self.spark.sql(f"ALTER TABLE {self.table.name} SET TBLPROPERTIES ({properties})")
 
     # -- exactly-once --------------------------------------------------------------------
     def is_committed(self, commit: Commit) -> bool:
