@@ -12,6 +12,7 @@ partitioned by day), else a MERGE that also deletes the stale rows of the range.
 from __future__ import annotations
 
 import itertools
+import logging
 from datetime import datetime, timezone
 from typing import Mapping, Sequence
 
@@ -43,6 +44,7 @@ SMALL_WRITE_ROWS = 100_000  # rows one task writes unshuffled (Iceberg's fanout 
 # table once a second would leave 3,600 metadata files an hour, their sizes growing with each (gigabytes
 # within hours). Kept: the last few. Snapshots themselves are untouched: savepoints and the commit lookups of
 # a replayed batch read them.
+log = logging.getLogger(__name__)
 METADATA_RETENTION = {"write.metadata.delete-after-commit.enabled": "true", "write.metadata.previous-versions-max": "20"}
 
 
@@ -92,7 +94,11 @@ class IcebergSink:
         if rows and "does not have property" not in (rows[0]["value"] or ""):
             return  # set, either way
         properties = ", ".join(f"'{k}'='{v}'" for k, v in METADATA_RETENTION.items())
-        self.spark.sql(f"ALTER TABLE {self.table.name} SET TBLPROPERTIES ({properties})")
+        try:
+            self.spark.sql(f"ALTER TABLE {self.table.name} SET TBLPROPERTIES ({properties})")
+        except Exception as exc:  # noqa: BLE001 - housekeeping: a catalog that refuses it must not stop the job
+            log.warning("could not set %s on %s (%s): its earlier metadata files stay", ", ".join(METADATA_RETENTION),
+                        self.table.name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
     # -- exactly-once --------------------------------------------------------------------
     def is_committed(self, commit: Commit) -> bool:
