@@ -174,8 +174,11 @@ class KeyedRuntime:
 
     # -- one key -------------------------------------------------------------------------
     def process(self, key: tuple, state: bytes | None, events: Iterable[tuple[int, str, tuple]],
-                watermark_ms: int, processing_time_ms: int, *, bounded: bool = False) -> KeyResult:
-        """``events``: (event time ms, dedup key, payload row) in arrival order.
+                watermark_ms: int, processing_time_ms: int, *, bounded: bool = False,
+                decoded: bool = False) -> KeyResult:
+        """``events``: (event time ms, dedup key, payload row) in arrival order; ``decoded``: their rows hold
+        the values the function sees already (a binding that delivers every element in the same call, as a
+        bounded run does, decodes whole columns at once), and ``state`` buffers none.
 
         Stream: ``watermark_ms`` is the batch's watermark. Bounded: every element is on time and
         at the end every timer fires (``watermark_ms`` is ignored).
@@ -208,7 +211,7 @@ class KeyedRuntime:
         if arrived:
             buffer.sort(key=lambda e: (e[0], e[1]))
 
-        clock = self._advance(buffer, limit, result.outputs)
+        clock = self._advance(buffer, limit, result.outputs, None if decoded else self.decode)
         # The key's event-time clock from here on: the watermark (every element up to it has been
         # delivered) or, bounded, the last element or timer.
         horizon = clock if bounded else watermark_ms
@@ -226,7 +229,7 @@ class KeyedRuntime:
         self._finish(result, store, buffer, seen, bounded)
         return result
 
-    def _advance(self, buffer: list, limit: int, outputs: list) -> int:
+    def _advance(self, buffer: list, limit: int, outputs: list, decode: Callable[[tuple], Sequence] | None) -> int:
         """Deliver buffered elements and fire event-time timers up to ``limit``, in time order.
         Returns the event-time clock reached (the last element or timer time)."""
         clock = NEG_INF_MS
@@ -241,7 +244,7 @@ class KeyedRuntime:
             elif element is not None:
                 i += 1
                 clock = max(clock, element[0])
-                value = self.Event(*(self.decode(element[2]) if self.decode else element[2]))
+                value = self.Event(*(decode(element[2]) if decode else element[2]))
                 self._call(self.function.process_element(value, self._at(element[0], EVENT_TIME)), outputs)
             else:
                 break

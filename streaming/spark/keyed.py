@@ -312,6 +312,15 @@ def _from_micros(value):
 _DECODERS = {"micros": _from_micros, "decimal": Decimal}
 
 
+def _decoded(values: list, kind: str) -> list:
+    """A payload column's compact values as :data:`_DECODERS` turns each one, a column at a time."""
+    if kind == "micros":
+        epoch, step = _EPOCH, timedelta(microseconds=1)
+        return [v if v is None or isinstance(v, datetime) else epoch + v * step for v in values]
+    convert = _DECODERS[kind]
+    return [None if v is None else convert(v) for v in values]
+
+
 def _decoder(kinds: list[str]):
     """A payload row's compact values back to what the function sees (None: nothing to decode). Rows
     buffered by an older lakestream hold decoded values already, and pass through unchanged."""
@@ -401,8 +410,9 @@ class _Adapter:
                                          decode=self.decode)
         return self._runtime
 
-    def by_key(self, pdf: pd.DataFrame | None) -> dict[tuple, list[tuple[int, str, tuple]]]:
-        """The bucket's events per key, in arrival order: (event time ms, dedup key, payload row)."""
+    def by_key(self, pdf: pd.DataFrame | None, decoded: bool = False) -> dict[tuple, list[tuple[int, str, tuple]]]:
+        """The bucket's events per key, in arrival order: (event time ms, dedup key, payload row); ``decoded``:
+        rows of the values the function sees (decoded a column at a time), else of the compact wire values."""
         grouped: dict[tuple, list] = {}
         self._files = self._file_of = None
         if pdf is None or pdf.empty:
@@ -414,6 +424,10 @@ class _Adapter:
                           for c, kind in zip(wire.keys, wire.key_kinds)]))
         times = [t // 1000 for t in columns[wire.time]] if wire.time_from_payload else _values(pdf["_t"], "int")
         ids = columns[wire.id] if wire.id_from_payload else pdf["_id"].tolist()
+        if decoded:
+            for c, kind in zip(columns, self.payload_kinds):
+                if kind in _DECODERS:
+                    columns[c] = _decoded(columns[c], kind)
         rows = list(zip(*columns.values())) if columns else [()] * len(pdf)
         for key, t, event_id, row in zip(keys, times, ids, rows):
             grouped.setdefault(key, []).append((t, event_id, row))
@@ -492,7 +506,7 @@ class _Adapter:
                        bounded: bool = False) -> pd.DataFrame:
         """Run every key of the bucket that has events, or whose wake-up the watermark (or the
         processing clock) has reached, and return its output rows and one row of statistics."""
-        events = self.by_key(pdf)
+        events = self.by_key(pdf, decoded=bounded)  # (bounded: every element is delivered in this call)
         states, wakes, pwakes = saved.setdefault("s", {}), saved.setdefault("w", {}), saved.setdefault("p", {})
         due = [k for k, w in wakes.items() if k not in events and (w <= watermark or (self.processing and not bounded))]
         due += [k for k, w in pwakes.items() if k not in events and k not in due and w <= now_ms]
@@ -500,7 +514,8 @@ class _Adapter:
         inputs = duplicates = 0
         max_t = None
         for key in [*events, *due]:
-            result = self.runtime.process(key, states.get(key), events.get(key, []), watermark, now_ms, bounded=bounded)
+            result = self.runtime.process(key, states.get(key), events.get(key, []), watermark, now_ms, bounded=bounded,
+                                          decoded=bounded)
             inputs += result.inputs
             duplicates += result.duplicates
             if result.max_event_time_ms is not None:
