@@ -188,7 +188,6 @@ _SIDE = (
     ("_q_n", T.LongType()),
     ("_s_in", T.LongType()), ("_s_dup", T.LongType()), ("_s_max_t", T.LongType()), ("_s_wm", T.LongType()),
 )
-_SIDE_NAMES = frozenset(n for n, _ in _SIDE)
 SIDE = "_x"
 
 
@@ -396,7 +395,6 @@ class _Adapter:
         self.wire = _Wire(job, payload)
         self.main = main
         self.output = output
-        self.output_names = output.names
         self.dedup_ttl_ms = int(job.dedup_ttl.total_seconds() * 1000)
         self.processing = job.timers == PROCESSING_TIME
         self._runtime: KeyedRuntime | None = None
@@ -486,9 +484,6 @@ class _Adapter:
         for j, name in enumerate(self.main.names):
             columns[OUT + name] = [*outs[j], *fill]
         columns[SIDE] = [None] * n_out + rows.side
-        return self._frame(columns, n)
-
-    def _frame(self, columns: dict, n: int) -> pd.DataFrame:
         # A frame made from a dict in the output's order: one also given its column list converts every
         # column to objects first (a Timestamp per value of a time column).
         data = {}
