@@ -196,3 +196,19 @@ def test_reconciliation_explains_late_and_in_flight_differences_and_finds_delete
     assert code == 1
     recorded = spark.sql("SELECT job, unexplained FROM lake.ops.reconciliation ORDER BY checked_at").collect()
     assert [r.unexplained for r in recorded][:2] == [0, damaged.unexplained]
+
+
+def test_the_bounded_dedup_numbers_each_ids_deliveries_without_sorting_every_event_before_its_shuffle(spark, small_landing):
+    """Spark 3.5 turns the dedup's ``row_number() = 1`` into a top-1 per map partition: a sort of every event
+    before the shuffle, which rare repeats leave with nothing to drop (~0.9 s of a 1M-event backfill). The
+    session turns that off; the plan still keeps each id's first delivery by its window."""
+    from batch.bounded import compute
+
+    job = get_job(JOB, small_landing)
+    result = compute(spark, small_landing, job, epoch_ms(DAY1), epoch_ms(DAY2))
+    try:
+        plan = result.main._jdf.queryExecution().optimizedPlan().toString()  # noqa: SLF001 - the plan Spark runs
+    finally:
+        result.release()
+    assert "row_number()" in plan
+    assert "WindowGroupLimit" not in plan
