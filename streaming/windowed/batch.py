@@ -120,6 +120,7 @@ class WindowedBatch:
     _late_candidates: int = 0
     _events: DataFrame | None = None
     _repeats: tuple[list[int], list[int], list[int]] | None | object = _UNKNOWN
+    _remembered_found: tuple[list[int], list[int]] | None = None  # remembered ids found by the statistics job (``_h1``, ``_h2``)
     _observation: Observation | None = None
     _lines_seen: Observation | None = None
     _observed_lines: DataFrame | None = None
@@ -191,6 +192,10 @@ class WindowedBatch:
                 seen = Observation(f"stats-{job.name}-{next(_OBSERVATIONS)}")
                 self._repeats = self._find_repeats(observe(self._lines(), seen, packed(self._stat_columns())))
                 row = observed(seen)
+            elif self.store is not None and self.store.id_files():
+                seen = Observation(f"stats-{job.name}-{next(_OBSERVATIONS)}")
+                self._remembered_found = self._find_remembered(observe(self._lines(), seen, packed(self._stat_columns())))
+                row = observed(seen)
             else:
                 row = self._lines().agg(*self._stat_columns()).first()
             self.quarantined_by_source = {s.name: row[s.name] for s in job.sources}
@@ -253,7 +258,12 @@ class WindowedBatch:
             if self.event_range_ms is not None:
                 lo, hi = self.event_range_ms
                 events = events.where((F.col("event_time_ms") >= lo) & (F.col("event_time_ms") < hi))
-            remembered = self._remembered(events)
+            remembered = None
+            if self._remembered_found is not None:  # (found by the statistics job: a filter where the events are)
+                if self._remembered_found[0]:
+                    events = events.where(~(in_set("_h1", self._remembered_found[0]) & in_set("_h2", self._remembered_found[1])))
+            else:
+                remembered = self._remembered(events)
             if remembered is not None:
                 events = events.join(F.broadcast(remembered), ["_h1", "_h2"], "left_anti")
             if self.bounded:
@@ -279,6 +289,20 @@ class WindowedBatch:
             return None
         find = lookup(self.store.layout.store, files, self.watermark_in_ms, self.store.storage_options)
         return events.select("_h1", "_h2").mapInPandas(find, SEEN_SCHEMA)
+
+    def _find_remembered(self, lines: DataFrame) -> tuple[list[int], list[int]] | None:
+        """A stream's batch of ordinary size: the statistics job also looks its ids up in the store (one job
+        less per batch, and no broadcast join after it: the events are filtered where they are). None: too
+        many to filter (a whole file delivered again, say): the events join the lookup instead."""
+        key = self.job.source.dedup_key
+        files = self.store.id_files()
+        find = lookup(self.store.layout.store, files, self.watermark_in_ms, self.store.storage_options)
+        hashes = select(lines.where(self._valid()), id_hashes(F.col(key)))
+        found = hashes.mapInPandas(find, SEEN_SCHEMA).agg(  # (an aggregate reads every line: the statistics see them all)
+            F.count(F.lit(1)).alias("n"), F.collect_list("_h1").alias("h1"), F.collect_list("_h2").alias("h2")).first()
+        if found["n"] > MAX_REPEATS:
+            return None
+        return list(found["h1"]), list(found["h2"])
 
     def repeats(self) -> tuple[list[int], list[int], list[int]] | None:
         """A stream's ids delivered more than once in the batch: their hashes ``_h1`` and ``_h2``, and the
