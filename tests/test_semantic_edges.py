@@ -199,3 +199,23 @@ def test_a_re_delivery_stamped_with_another_event_time_counts_once_where_it_firs
         == {k: v["events"] for k, v in oracle.items()}
     later = harness.bounded(from_epoch_ms(T0 + 10 * MIN), from_epoch_ms(T0 + 15 * MIN))  # holds only the re-stamps
     assert sorted(later.main.user_id) == ["u2"] and int(later.main.events.sum()) == 1, "only e5 counts there"
+
+
+@pytest.mark.parametrize("limit", [None, 1], ids=["filtered", "too-many-joined"])
+def test_a_whole_file_delivered_again_in_a_later_batch_counts_once(spark, lake_home, monkeypatch, limit):
+    """An operator drops yesterday's file into the landing folder again, under a new name: every id of that batch
+    is remembered. A batch finds its remembered ids in its statistics job and filters them out; more of them than
+    it filters (``limit``) go through the store's lookup joined with the events instead. Either way each event
+    counts once, as in the plain-Python oracle."""
+    import streaming.windowed.batch as windowed_batch
+
+    if limit is not None:
+        monkeypatch.setattr(windowed_batch, "MAX_REPEATS", limit)
+    first = [p(1, 1 * MIN, "u1", "7.00"), p(2, 2 * MIN, "u2"), p(3, 3 * MIN, "u1", "2.50")]
+    batches = [first, [p(4, 4 * MIN, "u2")], [*first, p(5, 6 * MIN, "u3")], [p(9, 60 * MIN, "u9")]]
+    window = Tumbling(timedelta(minutes=5))
+    report, table, late = stream(spark, lake_home, job_for(window, timedelta(minutes=10)), batches)
+    truth = replay_windows([with_t(b) for b in batches], win_of(window), delay=DELAY, lateness=10 * MIN,
+                           key=lambda e: e["user_id"], measure=measure)
+    assert table == {k: (v["window_end"], v["events"], v["amount"]) for k, v in truth.table.items()}
+    assert table[("u1", T0)][1] == 2 and not late

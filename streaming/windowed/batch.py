@@ -258,12 +258,10 @@ class WindowedBatch:
             if self.event_range_ms is not None:
                 lo, hi = self.event_range_ms
                 events = events.where((F.col("event_time_ms") >= lo) & (F.col("event_time_ms") < hi))
-            remembered = None
-            if self._remembered_found is not None:  # (found by the statistics job: a filter where the events are)
-                if self._remembered_found[0]:
-                    events = events.where(~(in_set("_h1", self._remembered_found[0]) & in_set("_h2", self._remembered_found[1])))
-            else:
-                remembered = self._remembered(events)
+            found = self._remembered_found  # (by the statistics job: a filter where the events are)
+            remembered = self._remembered(events) if found is None else None
+            if found is not None and found[0]:
+                events = events.where(~(in_set("_h1", found[0]) & in_set("_h2", found[1])))
             if remembered is not None:
                 events = events.join(F.broadcast(remembered), ["_h1", "_h2"], "left_anti")
             if self.bounded:
@@ -284,21 +282,20 @@ class WindowedBatch:
         batch with a store that has ids): looked up on the executors (``checkpoint.seen``)."""
         if self.bounded or self.store is None:
             return None
-        files = self.store.id_files()
-        if not files:
+        if not self.store.id_files():
             return None
-        find = lookup(self.store.layout.store, files, self.watermark_in_ms, self.store.storage_options)
-        return events.select("_h1", "_h2").mapInPandas(find, SEEN_SCHEMA)
+        return events.select("_h1", "_h2").mapInPandas(self._lookup(), SEEN_SCHEMA)
+
+    def _lookup(self):
+        """The executors' lookup of ids in the store's live ids files (``checkpoint.seen``)."""
+        return lookup(self.store.layout.store, self.store.id_files(), self.watermark_in_ms, self.store.storage_options)
 
     def _find_remembered(self, lines: DataFrame) -> tuple[list[int], list[int]] | None:
         """A stream's batch of ordinary size: the statistics job also looks its ids up in the store (one job
         less per batch, and no broadcast join after it: the events are filtered where they are). None: too
         many to filter (a whole file delivered again, say): the events join the lookup instead."""
-        key = self.job.source.dedup_key
-        files = self.store.id_files()
-        find = lookup(self.store.layout.store, files, self.watermark_in_ms, self.store.storage_options)
-        hashes = select(lines.where(self._valid()), id_hashes(F.col(key)))
-        found = hashes.mapInPandas(find, SEEN_SCHEMA).agg(  # (an aggregate reads every line: the statistics see them all)
+        hashes = select(lines.where(self._valid()), id_hashes(F.col(self.job.source.dedup_key)))
+        found = hashes.mapInPandas(self._lookup(), SEEN_SCHEMA).agg(  # (an aggregate reads every line: the statistics see them all)
             F.count(F.lit(1)).alias("n"), F.collect_list("_h1").alias("h1"), F.collect_list("_h2").alias("h2")).first()
         if found["n"] > MAX_REPEATS:
             return None
