@@ -111,6 +111,10 @@ def large_amounts(events: list[dict]) -> set[tuple]:
     return alerts
 
 
+# The table's rows as :func:`rolling_spend` gives them.
+ROLLING_SPEND_ROWS = "SELECT card_id, unix_millis(as_of), spend_24h, payments_24h, cause FROM lake.payments.rolling_spend"
+
+
 def rolling_spend(events: list[dict], until_ms: int) -> set[tuple]:
     """(card, as-of ms, spend, count, cause) on every change of a card's approved spend over the 24
     hours ending at as-of (inclusive), up to ``until_ms``: at each payment (counting the payments
@@ -128,6 +132,14 @@ def rolling_spend(events: list[dict], until_ms: int) -> set[tuple]:
                 window = [q for q in payments if moment - DAY < q["t_ms"] <= moment]
                 rows.add((card, moment, sum((q["amount"] for q in window), Decimal("0")), len(window), "expiry"))
     return rows
+
+
+def rolling_spend_streamed(landing: Path, k: int, delay_ms: int = 5_000) -> tuple[set[tuple], set[str]]:
+    """rolling_spend as a stream of ``k`` files per batch writes it (its rows, up to the final watermark) and
+    the ids of the events it sends to the late side output."""
+    batched = batches(landing, ["payments"], k)
+    on_time, late, watermark = keyed_truth(batched, lambda e: e["status"] == "APPROVED", delay_ms)
+    return rolling_spend([e for e in on_time if e["t_ms"] <= watermark], watermark), late
 
 
 def suspicious_logins(events: list[dict]) -> set[tuple]:

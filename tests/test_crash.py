@@ -9,6 +9,9 @@ output's, after the main table's, before the engine state is written, and after 
 records the batch as committed). Each time it is started again. An uninterrupted run reads the
 same files one per batch; the oracle replays exactly that, so the final tables must equal it: no
 window twice, none missing, every late event and quarantined line exactly once.
+
+The keyed ``rolling_spend`` (each card's state in key files, timers) goes through the same ten kills;
+its oracle replays the same one-file batches: every change row exactly once, every late event once.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ POINTS = [
 ]
 
 
-def _child(home: Path, pause_at: str | None, pause_dir: Path, available_now: bool = False) -> subprocess.Popen:
+def _child(home: Path, pause_at: str | None, pause_dir: Path, available_now: bool = False,
+           job: str = JOB) -> subprocess.Popen:
     env = {**os.environ, "LAKESTREAM_PAUSE_DIR": str(pause_dir), "LAKESTREAM_PAUSE_SECONDS": "120"}
     env.pop("LAKESTREAM_PAUSE_AT", None)
     if pause_at:
         env["LAKESTREAM_PAUSE_AT"] = pause_at
-    cmd = [sys.executable, "-m", "lakestream.cli", "--home", str(home), "run", JOB]
+    cmd = [sys.executable, "-m", "lakestream.cli", "--home", str(home), "run", job]
     if available_now:
         cmd.append("--available-now")
     log = open(home / "child.log", "a")
@@ -76,18 +80,11 @@ def _feeder(files: list[Path], landing: Path, stop: threading.Event) -> threadin
     return thread
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["iceberg", "delta"])
-def test_sigkill_at_random_moments_never_duplicates_or_loses_a_row(spark, warehouse, tmp_path, fmt):
+def _killed_again_and_again(home: Path, tmp_path: Path, job: str, points: list[str]) -> Path:
+    """Feed the landing zone while ``job`` is SIGKILLed ten times (five at random moments, one at each pause
+    point, the points in turn), then run it to the end of its input; returns the landing folder."""
     from lakestream.generator import generate
 
-    drop_job_tables(spark)
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / "lakestream.yaml").write_text(
-        f"warehouse: {warehouse}\nformat: {fmt}\nspark: {{shuffle_partitions: 2}}\n"
-        f"jobs: {{{JOB}: {{max_files_per_trigger: 1, trigger_interval: 300ms}}}}\n"
-    )
     generate(SMALL, tmp_path / "staging", sources=("payments",))
     files = oracle.files_in_arrival_order(tmp_path / "staging" / "payments")
     landing = home / "landing" / "payments"
@@ -100,9 +97,9 @@ def test_sigkill_at_random_moments_never_duplicates_or_loses_a_row(spark, wareho
     pause_dir = tmp_path / "pauses"
     kills = []
     try:
-        for n in range(10):  # five at a random moment, one at each pause point
-            point = POINTS[n // 2 % len(POINTS)] if n % 2 else None
-            proc = _child(home, point, pause_dir)
+        for n in range(10):
+            point = points[n // 2 % len(points)] if n % 2 else None
+            proc = _child(home, point, pause_dir, job=job)
             if point is None:
                 time.sleep(rng.uniform(2.0, 10.0))  # wherever it is: starting, planning, mid-batch
                 reached = "random"
@@ -120,12 +117,31 @@ def test_sigkill_at_random_moments_never_duplicates_or_loses_a_row(spark, wareho
     for path in files[2:]:  # whatever the feeder did not move yet arrives now
         if path.exists():
             shutil.move(path, landing / path.name)
-    final = _child(home, None, pause_dir, available_now=True)
+    final = _child(home, None, pause_dir, available_now=True, job=job)
     assert final.wait(timeout=600) == 0, (home / "child.log").read_text()[-3000:]
 
     print("kills:", kills)
     assert len(kills) == 10
     assert sum(1 for k in kills if "not reached" not in k and k != "random") >= 3, kills
+    return landing
+
+
+def _home(tmp_path: Path, warehouse: Path, fmt: str, job: str) -> Path:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "lakestream.yaml").write_text(
+        f"warehouse: {warehouse}\nformat: {fmt}\nspark: {{shuffle_partitions: 2}}\n"
+        f"jobs: {{{job}: {{max_files_per_trigger: 1, trigger_interval: 300ms}}}}\n"
+    )
+    return home
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["iceberg", "delta"])
+def test_sigkill_at_random_moments_never_duplicates_or_loses_a_row(spark, warehouse, tmp_path, fmt):
+    drop_job_tables(spark)
+    home = _home(tmp_path, warehouse, fmt, JOB)
+    landing = _killed_again_and_again(home, tmp_path, JOB, POINTS)
     truth = oracle.replay_stream([oracle.read_lines(p) for p in oracle.files_in_arrival_order(landing)])
     windows, late, quarantine = _tables(spark, fmt, home, warehouse)
     assert windows == truth.closed  # _tables fails on a duplicate window
@@ -154,3 +170,29 @@ def _tables(spark, fmt: str, home: Path, warehouse: Path):
         windows[key] = (r["event_count"], r["approved_count"], r["declined_count"], Decimal(r["amount_sum"]))
     assert len(late) == len(set(late)), "a late event was written twice"
     return windows, late, sum(quarantine)
+
+
+KEYED_POINTS = [
+    "committed:lake.payments.rolling_spend",
+    "committed:lake.payments.rolling_spend_late",
+    "before-state",
+    "after-state",
+]
+
+
+@pytest.mark.slow
+def test_a_keyed_stream_sigkilled_at_random_moments_never_duplicates_or_loses_a_row(spark, warehouse, tmp_path):
+    """rolling_spend (keyed state per card in key files, event-time timers 24 h after each payment): killed
+    ten times while files arrive, every output row exactly once, as the oracle replays the batches."""
+    from tests import oracle_jobs as oj
+
+    drop_job_tables(spark)
+    job = "rolling_spend"
+    home = _home(tmp_path, warehouse, "iceberg", job)
+    landing = _killed_again_and_again(home, tmp_path, job, KEYED_POINTS)
+    expected, late = oj.rolling_spend_streamed(landing.parent, 1)
+    got = [tuple(r) for r in spark.sql(oj.ROLLING_SPEND_ROWS).collect()]
+    assert len(got) == len(set(got)), "a row was written twice"
+    assert set(got) == expected and expected
+    assert sorted(r.event_id for r in spark.table("lake.payments.rolling_spend_late").collect()) == sorted(late)
+    assert list(home.rglob("keys/*/*.parquet")), "the keys' state is in key files"

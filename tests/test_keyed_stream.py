@@ -98,6 +98,48 @@ def test_timers_fire_on_the_watermark_and_state_survives_a_restart(spark, lake):
     assert second.totals.late == 1
 
 
+def legacy_group_state(view) -> bytes:
+    """A bucket's value in Spark's state store as lakestream kept it before the key files: every key's state."""
+    import pickle
+
+    rows = view.rows.items()
+    return pickle.dumps({"s": {k: r[0] for k, r in rows}, "w": {k: r[1] for k, r in rows if r[1] is not None},
+                         "p": {k: r[2] for k, r in rows if r[2] is not None}})
+
+
+def test_buckets_kept_whole_in_sparks_state_move_to_key_files_and_the_stream_goes_on(spark, lake, monkeypatch):
+    """A checkpoint of the earlier version holds each bucket's keys whole in Spark's state store: resumed, each
+    bucket's keys move to key files as the bucket is next run, and no state is lost (as in the first test)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from streaming.checkpoint.layout import Layout
+    from streaming.run import keyed as keyed_run
+    from streaming.spark import keyed as keyed_spark
+
+    drop_job_tables(spark, namespaces=("test",))
+    job = reminder_job()
+    landing = lake.landing_dir("payments")
+    layout = Layout(lake.checkpoint_dir(job.name))
+    write_batches(landing, [[p(1, 0, "u1"), p(2, 30 * SEC, "u2")], [p(3, 1 * MIN, "u1"), p(4, 5 * MIN, "u3")],
+                            [p(5, 10 * MIN, "u3")]])
+    monkeypatch.setattr(keyed_spark, "group_state", legacy_group_state)
+    monkeypatch.setattr(keyed_run, "KEY_FILES_FORMAT", 3)  # (the earlier version's records)
+    run(spark, lake, job, available_now=True)
+    monkeypatch.undo()
+    shutil.rmtree(layout.keys)  # the earlier version had no key files: the state is in Spark's store alone
+    write_batches(landing, [[p(6, 3 * MIN, "u1"), p(7, 20 * MIN, "u3")]], start=3)
+    run(spark, lake, job, available_now=True)
+
+    rows = sorted(tuple(r) for r in spark.sql(f"SELECT user_id, unix_millis(fired_at) - {T0}, count FROM {SINK}").collect())
+    assert rows == [("u1", 2 * MIN, 2), ("u1", 3 * MIN, 2), ("u2", 2 * MIN + 30 * SEC, 1), ("u3", 7 * MIN, 1),
+                    ("u3", 12 * MIN, 2)]  # count 2: the 05:00 payment, kept whole, survived the move
+    latest = json.loads(max(Path(layout.batches).glob("*.json"), key=lambda f: int(f.stem)).read_text())
+    assert latest["format"] == 4  # an earlier version now refuses the checkpoint instead of finding no state
+    assert list(Path(layout.keys).rglob("*.parquet"))
+
+
 def test_a_checkpoint_of_the_earlier_layout_resumes_with_its_64_key_buckets(spark, lake, monkeypatch):
     """Checkpoints written before the bucket count was recorded used 64 buckets: resumed with another
     count, a key's state would sit in a group the key no longer hashes to, and be lost silently."""

@@ -215,3 +215,36 @@ def test_a_restore_refused_for_an_expired_snapshot_changes_neither_checkpoint_no
         Savepoints(spark, settings, progress=None).restore(get_job(JOB, settings), sp.id)
 
     _assert_untouched(spark, settings, landing, before, versions)
+
+
+def test_a_keyed_stream_restored_from_a_savepoint_resumes_its_keys_as_they_were(spark, lake, tmp_path, monkeypatch):
+    """rolling_spend keeps each card's state in key files named by Spark's group state: a savepoint copies both,
+    and after more batches (whose files replace and drop the older ones) a restore resumes the cards' state as
+    the savepoint had it, as an uninterrupted run (one row per change, none twice)."""
+    from streaming.keyed import files as key_files
+    from tests import oracle_jobs as oj
+
+    monkeypatch.setattr(key_files, "COMPACT_AFTER", 2)  # a bucket's files are merged (and dropped) every batch or two
+    job_name = "rolling_spend"
+    settings = lake.with_job(job_name, max_files_per_trigger=1)
+    landing, files = _staged(settings, tmp_path)
+
+    def run():
+        return run_stream(spark, settings, get_job(job_name, settings), available_now=True, progress=None,
+                          install_signal_handlers=False)
+
+    _arrive(files[:4], landing)
+    run()
+    sp = Savepoints(spark, settings, progress=None).create(get_job(job_name, settings))
+    saved = {p.name for p in Path(sp.checkpoint).rglob("keys/*/*.parquet")}
+    _arrive(files[4:], landing)
+    run()
+    live = {p.name for p in Path(settings.checkpoint_dir(job_name)).rglob("keys/*/*.parquet")}
+    assert saved and not saved & live  # every file the savepoint named was merged into others and deleted since
+    Savepoints(spark, settings, progress=None).restore(get_job(job_name, settings), sp.id)
+    run()
+
+    expected, _ = oj.rolling_spend_streamed(landing.parent, 1)
+    got = [tuple(r) for r in spark.sql(oj.ROLLING_SPEND_ROWS).collect()]
+    assert len(got) == len(set(got)), "a row was written twice"
+    assert set(got) == expected and expected

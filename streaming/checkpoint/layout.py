@@ -12,6 +12,7 @@ lakestream's part (``lakestream/``)::
 
     batches/N.json          batch record: statistics, totals, watermarks, the job's shape, the store manifest
     store/N/                the incremental store's files written by batch N (remembered ids, window pieces)
+    keys/<bucket>/          a keyed stream's per-key state files (their names are in Spark's group state)
     running                 the process running the stream (pid, host, query id, start)
     stop-request            asks that process to stop after its current batch (stop-with-savepoint)
     epoch                   a restore epoch, so commits re-run after a savepoint restore get new ids
@@ -96,6 +97,11 @@ class Layout:
 
     def store_batch(self, batch_id: int) -> str:
         return f"{self.store}/{batch_id}"
+
+    @property
+    def keys(self) -> str:
+        """A keyed stream's per-key state files, a folder per bucket (``keyed.files``)."""
+        return f"{self.engine}/keys"
 
     @property
     def running(self) -> str:

@@ -58,6 +58,11 @@ class BatchStats:
 
 KEEP_BATCHES = 2
 FORMAT = 3  # 3: incremental store (ids, pieces, evals); keyed state in buckets of keys
+# A keyed stream's records from the version that keeps each key's state in files (``keyed.files``): an older
+# lakestream would read the buckets' group state as empty, so it must refuse the checkpoint, and it refuses
+# any format but its own. This version reads both.
+KEY_FILES_FORMAT = 4
+READABLE = (FORMAT, KEY_FILES_FORMAT)
 
 
 @dataclass(frozen=True)
@@ -94,9 +99,16 @@ class BatchRecord:
 def parse_record(text: str, path: str) -> BatchRecord:
     try:
         data = json.loads(text)
-        if data.get("format", 1) != FORMAT:
+        found = data.get("format", 1)
+        if found not in READABLE:
+            if isinstance(found, int) and found > max(READABLE):
+                raise IncompatibleStateError(
+                    f"{path} was written by a newer lakestream (engine state format {found}, this version reads "
+                    f"{' and '.join(map(str, READABLE))}): run the job with that version, or restore a savepoint "
+                    "taken before it"
+                )
             raise IncompatibleStateError(
-                f"{path} was written by an older lakestream (engine state format {data.get('format', 1)}, this version "
+                f"{path} was written by an older lakestream (engine state format {found}, this version "
                 f"uses {FORMAT}) whose state it cannot read: move the checkpoint folder away to start over, then "
                 "backfill the tables (lakestream backfill JOB --start ... --end ...)"
             )

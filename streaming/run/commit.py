@@ -2,7 +2,8 @@
 
 Spark fixes the input files of every planned batch in its offset log and replays an unfinished
 batch after a restart. The handler recomputes the same outputs (windowed jobs from the incremental
-store as the previous batch left it; keyed jobs from Spark's state store, which Spark restores) and
+store as the previous batch left it; keyed jobs from the key files that Spark's group state, which
+Spark restores, names) and
 commits each table with ``Commit(<query id>[:<restore epoch>], <batch id>)``. Only the batch Spark
 may be replaying — the one it had planned but not committed when the stream started — looks for
 its commits in the tables; every other batch is known to be new. A table without rows gets no

@@ -3,8 +3,11 @@
 
 One streaming query per job. Valid events are transformed, keyed and handed to the runtime;
 invalid lines travel in the same query under a NULL key (the runtime passes them through as
-quarantine rows), so one checkpoint and one ``foreachBatch`` cover every output. Each key's state
-is one binary value (the runtime's pickled state). Event-time wake-ups use Spark's
+quarantine rows), so one checkpoint and one ``foreachBatch`` cover every output. Keys are grouped
+in buckets; each key's state (the runtime's pickled state) is a row of the bucket's key files
+(``keyed.files``), and Spark's group state of a bucket is small: the names of those files and the
+bucket's earliest wake-up. A batch reads and writes only the keys it runs, so its cost does not
+grow with the keys the stream remembers. Event-time wake-ups use Spark's
 ``EventTimeTimeout`` (a key times out once the watermark passes ``wake-up - 1``); jobs with
 processing-time timers use ``ProcessingTimeTimeout`` and poll for event time at each batch.
 
@@ -34,6 +37,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.sql.streaming.state import GroupStateTimeout
 
+from ..keyed import files as keys
 from ..declaration import KeyedJob
 from ..errors import DeclarationError
 from .jvm import parse_ddl
@@ -187,6 +191,7 @@ _SIDE = (
     ("_q_src", T.StringType()), ("_q_file", T.StringType()), ("_q_raw", T.StringType()), ("_q_reason", T.StringType()),
     ("_q_n", T.LongType()),
     ("_s_in", T.LongType()), ("_s_dup", T.LongType()), ("_s_max_t", T.LongType()), ("_s_wm", T.LongType()),
+    ("_s_rm", T.StringType()),
 )
 SIDE = "_x"
 
@@ -497,37 +502,43 @@ class _Adapter:
                 data[f.name] = _column(values, f.dataType)
         return pd.DataFrame(data)
 
-    def process_bucket(self, pdf: pd.DataFrame | None, saved: dict, watermark: int, now_ms: int,
-                       bounded: bool = False) -> pd.DataFrame:
-        """Run every key of the bucket that has events, or whose wake-up the watermark (or the
-        processing clock) has reached, and return its output rows and one row of statistics."""
+    def process_bucket(self, pdf: pd.DataFrame | None, view: "keys.BucketView | None", watermark: int, now_ms: int,
+                       bounded: bool = False, commit=None) -> pd.DataFrame:
+        """Run every key of the bucket that has events, or whose wake-up the watermark (or the processing
+        clock) has reached, and return its output rows and one row of statistics. ``view``: the bucket's keys
+        as they were before the batch (None: a bounded run, no state); ``commit(changed)`` stores the keys'
+        new rows (None: the key is gone) and returns the names of the files it dropped."""
         events = self.by_key(pdf, decoded=bounded)  # (bounded: every element is delivered in this call)
-        states, wakes, pwakes = saved.setdefault("s", {}), saved.setdefault("w", {}), saved.setdefault("p", {})
-        due = [k for k, w in wakes.items() if k not in events and (w <= watermark or (self.processing and not bounded))]
-        due += [k for k, w in pwakes.items() if k not in events and k not in due and w <= now_ms]
+        known = view.rows if view is not None else {}
+        due: list = []
+        if view is not None:
+            if self.processing:  # (event time is polled at every batch: every key with an event-time wake-up)
+                due = [k for k, r in known.items() if k not in events and (r[1] is not None or
+                                                                            (r[2] is not None and r[2] <= now_ms))]
+            else:
+                due = [k for k in view.due(watermark) if k not in events]
         rows = _Rows()
+        changed: dict = {}
         inputs = duplicates = 0
         max_t = None
         for key in [*events, *due]:
-            result = self.runtime.process(key, states.get(key), events.get(key, []), watermark, now_ms, bounded=bounded,
-                                          decoded=bounded)
+            row = known.get(key)
+            result = self.runtime.process(key, row[0] if row else None, events.get(key, []), watermark, now_ms,
+                                          bounded=bounded, decoded=bounded)
             inputs += result.inputs
             duplicates += result.duplicates
             if result.max_event_time_ms is not None:
                 max_t = result.max_event_time_ms if max_t is None else max(max_t, result.max_event_time_ms)
             self.result_rows(key, result, rows)
             if result.state is None:
-                for table in (states, wakes, pwakes):
-                    table.pop(key, None)
-                continue
-            states[key] = result.state
-            for table, at in ((wakes, result.wakeup_ms), (pwakes, result.processing_wakeup_ms)):
-                if at is None:
-                    table.pop(key, None)
-                else:
-                    table[key] = at
-        if inputs or rows:
-            rows.side_row("stats", None, {"_s_in": inputs, "_s_dup": duplicates, "_s_max_t": max_t, "_s_wm": watermark})
+                if row is not None:
+                    changed[key] = None
+            else:
+                changed[key] = (result.state, result.wakeup_ms, result.processing_wakeup_ms)
+        dropped = commit(changed) if commit is not None else []
+        if inputs or rows or dropped:
+            rows.side_row("stats", None, {"_s_in": inputs, "_s_dup": duplicates, "_s_max_t": max_t, "_s_wm": watermark,
+                                          "_s_rm": ",".join(dropped) or None})
         return self.frame(rows)
 
 
@@ -580,9 +591,19 @@ def _plan(job: KeyedJob, parsed: DataFrame, stream: bool, buckets: int, labels: 
     return frame, output, _Adapter(job, payload, main, output)
 
 
-def stream_frame(job: KeyedJob, parsed: DataFrame, buckets: int, labels: tuple[int, ...] | None = None) -> DataFrame:
+def group_state(view: "keys.BucketView") -> bytes:
+    """A bucket's value in Spark's state store: the names of its key files, how many keys it holds, its
+    earliest event-time wake-up."""
+    return pickle.dumps({"f": view.files, "n": len(view.rows), "w": view.earliest_wake()}, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def stream_frame(job: KeyedJob, parsed: DataFrame, buckets: int, labels: tuple[int, ...] | None = None, *,
+                 store: str, options: dict | None = None) -> DataFrame:
     """The keyed streaming query's output: rows of kind out | late | q | stats; keys in ``buckets`` groups
-    (grouped by ``labels``, see ``bucket_labels``)."""
+    (grouped by ``labels``, see ``bucket_labels``). Each key's state lives in ``store`` (``checkpoint.keys``;
+    ``options``: its file system's storage options); a bucket's group state names the files."""
+    options = dict(options or {})
+    encode, merge_after = group_state, keys.COMPACT_AFTER  # (bound here: what Spark ships is what the stream started with)
     frame, output, adapter = _plan(job, parsed, stream=True, buckets=buckets, labels=labels)
     processing = job.timers == PROCESSING_TIME
 
@@ -606,19 +627,30 @@ def stream_frame(job: KeyedJob, parsed: DataFrame, buckets: int, labels: tuple[i
             return
         watermark = state.getCurrentWatermarkMs()
         now_ms = state.getCurrentProcessingTimeMs()
+        bucket = int(key[0])
         saved = pickle.loads(bytes(state.get[0])) if state.exists else {}
-        out = adapter.process_bucket(pdf, saved, watermark, now_ms)
-        if not saved.get("s"):
+        if "s" in saved:  # a bucket kept whole in the group state (checkpoints before the key files)
+            view = keys.adopt(store, bucket, {k: (v, saved["w"].get(k), saved["p"].get(k)) for k, v in saved["s"].items()})
+        else:
+            view = keys.view(store, bucket, saved.get("f", []), options)
+
+        def commit(changed: dict) -> list[str]:
+            dropped = keys.commit(store, bucket, view, changed, options, whole="s" in saved, every=merge_after)
+            return [keys.path_of(store, bucket, name) for name in dropped]
+
+        out = adapter.process_bucket(pdf, view, watermark, now_ms, commit=commit)
+        if not view.rows:
             if state.exists:
                 state.remove()
         else:
-            state.update((pickle.dumps(saved, protocol=pickle.HIGHEST_PROTOCOL),))
+            wake, processing_wake = view.earliest_wake(), view.earliest_processing_wake() if processing else None
+            state.update((encode(view),))
             if processing:
-                waits = [w - now_ms for w in saved["p"].values()] + ([1] if saved["w"] else [])
+                waits = ([processing_wake - now_ms] if processing_wake is not None else []) + ([1] if wake is not None else [])
                 if waits:
                     state.setTimeoutDuration(max(1, min(waits)))
-            elif saved["w"]:
-                state.setTimeoutTimestamp(max(min(saved["w"].values()) - 1, watermark, 1))
+            elif wake is not None:
+                state.setTimeoutTimestamp(max(wake - 1, watermark, 1))
         yield out
 
     timeout = GroupStateTimeout.ProcessingTimeTimeout if processing else GroupStateTimeout.EventTimeTimeout
@@ -634,7 +666,7 @@ def bounded_frame(job: KeyedJob, parsed: DataFrame) -> DataFrame:
         _keep_zip_directories()
         if pd.isna(key[0]):
             return adapter.quarantine(pdf)
-        return adapter.process_bucket(pdf, {}, 0, started_ms, bounded=True)
+        return adapter.process_bucket(pdf, None, 0, started_ms, bounded=True)
 
     return _unpacked(frame.groupBy(BUCKET).applyInPandas(process, output))
 
@@ -652,6 +684,7 @@ class KeyedCounts:
     watermark_ms: int | None  # the watermark Spark gave the state function (None: no key ran)
     outputs_range_ms: tuple[int | None, int | None]  # of the output rows' time column
     late_range_ms: tuple[int | None, int | None]  # of the late elements' event times
+    dropped: tuple[str, ...] = ()  # key files the batch dropped (merged or emptied): deleted after the next batch
 
     @property
     def bad(self) -> int:
@@ -675,7 +708,8 @@ class KeyedOutput:
             outputs=row["out"], late=row["late"], quarantined={s.name: row[f"q_{s.name}"] for s in job.sources},
             inputs=row["inputs"], duplicates=row["dups"], max_event_time_ms=row["max_t"],
             watermark_ms=None if row["wm"] is None else int(row["wm"]),
-            outputs_range_ms=(row["out_lo"], row["out_hi"]), late_range_ms=(row["late_lo"], row["late_hi"]))
+            outputs_range_ms=(row["out_lo"], row["out_hi"]), late_range_ms=(row["late_lo"], row["late_hi"]),
+            dropped=tuple(path for paths in row["dropped"] for path in paths.split(",")))
 
     def _split(self) -> _Parts:
         if self._parts is None:
@@ -707,6 +741,7 @@ def _statistics(job: KeyedJob) -> list:
         F.coalesce(F.sum("_s_dup"), F.lit(0)).alias("dups"),
         F.max("_s_max_t").alias("max_t"),
         F.max("_s_wm").alias("wm"),
+        F.collect_list("_s_rm").alias("dropped"),
         F.min(F.when(F.col("_kind") == "out", F.unix_millis(F.col(f"{OUT}{job.time_column}")))).alias("out_lo"),
         F.max(F.when(F.col("_kind") == "out", F.unix_millis(F.col(f"{OUT}{job.time_column}")))).alias("out_hi"),
         F.min(F.when(F.col("_kind") == "late", F.col("_l_t"))).alias("late_lo"),

@@ -1,0 +1,203 @@
+"""A keyed stream's per-key state, in files a batch writes only for the keys it touched.
+
+Spark's group state holds one small value per bucket of keys: the names of the bucket's live files, its
+earliest wake-up and how many keys it holds (``spark.keyed``). Each key's state bytes and wake-ups are rows
+of those files (Parquet: the pickled key, the state, the event-time and processing-time wake-ups; a row
+without state is a tombstone), newest file last. A bucket's call reads the rows of the keys it runs from
+this process's view of the bucket (:class:`BucketView`) and writes one file with the rows that changed.
+Every ``compact_after`` files (a little more or less per bucket, so buckets do not all merge in the same
+batch) the call writes the bucket's whole state as one file instead, and the older files are dropped.
+
+So a batch's cost follows the keys it touches, not the keys the stream remembers. Each Python worker keeps
+the views it has built in memory (about 200-400 bytes per key): a worker reads only the files it has not
+read yet (in a running stream, usually none: it applied its own writes), and a worker that starts afresh
+reads a bucket's live files once.
+
+Crashes and replays: the file names travel in Spark's group state, which Spark versions with each batch,
+so a replayed batch sees exactly the files the batch before it left (a file written by an attempt that did
+not commit is never named). A view that does not hold exactly the named files, or whose last call did not
+finish, is rebuilt from them. Files a call dropped are deleted once the next batch is recorded (the batch
+record's ``removed``): a replay of the dropping batch still finds them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import pickle
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+COMPACT_AFTER = 16  # files per bucket before its state is written as one file
+IDLE_SECONDS = 1800  # a view not used this long (its stream stopped) is dropped
+KEYS_DIR = "keys"  # under the checkpoint's engine folder: ``lakestream/keys/<bucket>/<file>.parquet``
+
+Row = tuple  # (state bytes, event-time wake-up ms or None, processing-time wake-up ms or None)
+
+
+@dataclass
+class BucketView:
+    """One bucket's keys as this process last applied its files."""
+
+    files: list[str] = field(default_factory=list)
+    rows: dict[Any, Row] = field(default_factory=dict)
+    _wakes: list = field(default_factory=list)  # heap of (event-time wake-up, n, key); stale entries skipped
+    _order: Any = field(default_factory=itertools.count)
+    _taken: set = field(default_factory=set)  # keys :meth:`due` took off the heap in the current call
+    busy: bool = False  # a call took the view and has not committed: rebuilt before the next use
+    used: float = field(default_factory=time.monotonic)
+
+    def _set(self, key, row: Row | None) -> None:
+        before = self.rows.pop(key, None) if row is None else self.rows.get(key)
+        if row is None:
+            return
+        self.rows[key] = row
+        if row[1] is not None and (before is None or before[1] != row[1] or key in self._taken):
+            heapq.heappush(self._wakes, (row[1], next(self._order), key))
+
+    def _current(self) -> tuple | None:
+        """The earliest entry of the wake-up heap that is still a key's wake-up (stale ones dropped)."""
+        heap = self._wakes
+        while heap:
+            wake, _, key = heap[0]
+            row = self.rows.get(key)
+            if row is not None and row[1] == wake:
+                return heap[0]
+            heapq.heappop(heap)
+        return None
+
+    def due(self, watermark_ms: int) -> list:
+        """The keys whose event-time wake-up the watermark has reached (taken off the heap: the call that
+        runs them sets their next one)."""
+        found = []
+        while (top := self._current()) is not None and top[0] <= watermark_ms:
+            heapq.heappop(self._wakes)
+            if top[2] not in self._taken:  # (a key gone and back with the same wake-up has two entries)
+                self._taken.add(top[2])
+                found.append(top[2])
+        return found
+
+    def earliest_wake(self) -> int | None:
+        top = self._current()
+        return None if top is None else top[0]
+
+    def earliest_processing_wake(self) -> int | None:
+        return min((r[2] for r in self.rows.values() if r[2] is not None), default=None)
+
+
+_VIEWS: dict[tuple[str, Any], BucketView] = {}
+_LOCK = threading.Lock()
+
+
+def _filesystem(root: str, options: Mapping[str, Any]):
+    import fsspec
+
+    return fsspec.core.url_to_fs(root, **dict(options))
+
+
+def _read(fs, path: str) -> list[tuple[Any, Row | None]]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, filesystem=fs)
+    keys, states, wakes, pwakes = (table.column(c).to_pylist() for c in ("k", "s", "w", "p"))
+    return [(pickle.loads(k), None if s is None else (s, w, p)) for k, s, w, p in zip(keys, states, wakes, pwakes)]
+
+
+def view(root: str, bucket: Any, files: list[str], options: Mapping[str, Any]) -> BucketView:
+    """This process's view of ``bucket`` holding exactly ``files`` (names under ``root/<bucket>``), in order,
+    taken for one call: until :func:`commit` the view counts as changing (a call that fails leaves it to be
+    rebuilt, whatever it had taken off its heap)."""
+    now = time.monotonic()
+    with _LOCK:
+        for stale in [k for k, v in _VIEWS.items() if now - v.used > IDLE_SECONDS]:
+            del _VIEWS[stale]
+        current = _VIEWS.get((root, bucket))
+        if current is None or current.busy or current.files != files[:len(current.files)]:
+            current = _VIEWS[(root, bucket)] = BucketView()
+        current.used = now
+    missing = files[len(current.files):]
+    if missing:
+        fs, base = _filesystem(f"{root}/{bucket}", options)
+        for name in missing:
+            try:
+                found = _read(fs, f"{base}/{name}")
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    f"key state file {root}/{bucket}/{name}, named by the checkpoint, is missing: restore a savepoint "
+                    "of the job (lakestream savepoint restore) or start it from a new checkpoint") from None
+            for key, row in found:
+                current._set(key, row)
+            current.files.append(name)
+    current.busy = True
+    return current
+
+
+def adopt(root: str, bucket: Any, rows: Mapping[Any, Row]) -> BucketView:
+    """A view of a bucket whose state Spark's group state held whole (a checkpoint written before these
+    files): every key is written to the bucket's first file by the call's :func:`commit`."""
+    fresh = BucketView(busy=True)
+    for key, row in rows.items():
+        fresh._set(key, row)
+    with _LOCK:
+        _VIEWS[(root, bucket)] = fresh
+    return fresh
+
+
+def compact_after(bucket: Any, every: int | None = None) -> int:
+    """Files a bucket keeps before it is merged: ``every`` (default ``COMPACT_AFTER``), give or take a quarter,
+    by bucket."""
+    every = COMPACT_AFTER if every is None else every
+    spread = max(1, every // 2)
+    return max(1, every - spread // 2 + int(bucket) % spread)
+
+
+def commit(root: str, bucket: Any, current: BucketView, changed: Mapping[Any, Row | None],
+           options: Mapping[str, Any], *, whole: bool = False, every: int | None = None) -> list[str]:
+    """Apply the rows of ``changed`` keys (None: the key is gone) to the view and write them as the bucket's
+    next file; or, ``whole`` or once the bucket has ``compact_after(bucket, every)`` files, its whole state as one file (a
+    bucket left without keys keeps no file). Returns the names of the files dropped (the bucket's files are
+    then ``current.files``)."""
+    for key, row in changed.items():
+        current._set(key, row)
+    current._taken.clear()
+    dropped: list[str] = []
+    if not current.rows or whole or len(current.files) + 1 >= compact_after(bucket, every):
+        dropped, current.files = current.files, []
+        rows = list(current.rows.items())
+    else:
+        rows = list(changed.items())
+    if rows:
+        current.files.append(_write(root, bucket, rows, options))
+    current.busy = False
+    return dropped
+
+
+def _write(root: str, bucket: Any, rows: list[tuple[Any, Row | None]], options: Mapping[str, Any]) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    name = f"{uuid.uuid4().hex}.parquet"
+    fs, base = _filesystem(f"{root}/{bucket}", options)
+    fs.makedirs(base, exist_ok=True)
+    table = pa.table({
+        "k": pa.array([pickle.dumps(k, protocol=pickle.HIGHEST_PROTOCOL) for k, _ in rows], pa.binary()),
+        "s": pa.array([None if r is None else r[0] for _, r in rows], pa.binary()),
+        "w": pa.array([None if r is None else r[1] for _, r in rows], pa.int64()),
+        "p": pa.array([None if r is None else r[2] for _, r in rows], pa.int64()),
+    })
+    pq.write_table(table, f"{base}/{name}", filesystem=fs, compression="lz4")
+    return name
+
+
+def path_of(root: str, bucket: Any, name: str) -> str:
+    return f"{root}/{bucket}/{name}"
+
+
+def forget(root: str | None = None) -> None:
+    """Drop this process's views of ``root`` (all: None)."""
+    with _LOCK:
+        for key in [k for k in _VIEWS if root is None or k[0] == root]:
+            del _VIEWS[key]

@@ -1,0 +1,86 @@
+"""A keyed stream's per-key state files (``keyed.files``) against a plain dict of every key's state: random
+changes, random calls that fail before they commit, replays from an older list of files, processes that
+start afresh, and merges. A batch writes only the keys it touched."""
+
+from __future__ import annotations
+
+import random
+
+import pyarrow.parquet as pq
+import pytest
+
+from streaming.keyed import files as keys
+
+
+def _truth_after(history: list[dict]) -> dict:
+    state: dict = {}
+    for changed in history:
+        for key, row in changed.items():
+            if row is None:
+                state.pop(key, None)
+            else:
+                state[key] = row
+    return state
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_view_holds_what_the_named_files_say_through_failures_replays_and_merges(tmp_path, seed):
+    rng = random.Random(seed)
+    root = str(tmp_path / "keys")
+    bucket = rng.randrange(16)
+    committed: list[tuple[list[str], dict]] = [([], {})]  # (the bucket's files, the state they hold) per batch
+    history: list[dict] = []
+    for batch in range(60):
+        files, truth = committed[-1]
+        if rng.random() < 0.1:
+            keys.forget()  # a Python worker that starts afresh
+        if rng.random() < 0.1 and len(committed) > 1:  # a replay: the batch before's files, as Spark's state has them
+            committed.pop()
+            history.pop()
+            files, truth = committed[-1]
+        view = keys.view(root, bucket, files, {})
+        assert view.rows == truth, f"batch {batch}"
+        watermark = batch * 10
+        due = view.due(watermark)
+        assert sorted(due) == sorted(k for k, r in truth.items() if r[1] is not None and r[1] <= watermark)
+        changed = {}
+        for key in [*due, *rng.sample(range(40), rng.randrange(6))]:
+            if key in truth and rng.random() < 0.25:
+                changed[key] = None
+            else:
+                changed[key] = (f"{key}@{batch}".encode(), watermark + rng.randrange(1, 40), None)
+        for key in due:  # a due key that keeps its row would be woken again and again: it always changes
+            if changed[key] is not None and changed[key][1] <= watermark:
+                changed[key] = (changed[key][0], watermark + 1, None)
+        if rng.random() < 0.1:
+            continue  # the call failed before it committed: the view was taken and is rebuilt next time
+        keys.commit(root, bucket, view, changed, {})
+        assert view.files and all((tmp_path / "keys" / str(bucket) / f).exists() for f in view.files) or not view.rows
+        expected = _truth_after([truth, changed])
+        assert view.rows == expected
+        assert view.earliest_wake() == min((r[1] for r in expected.values() if r[1] is not None), default=None)
+        assert len(view.files) < keys.compact_after(bucket)
+        committed.append((list(view.files), expected))
+        history.append(changed)
+
+
+def test_a_batch_writes_only_the_keys_it_touched_and_a_merge_drops_the_older_files(tmp_path):
+    root = str(tmp_path / "keys")
+    view = keys.view(root, 3, [], {})
+    keys.commit(root, 3, view, {k: (b"x" * 100, 1_000 + k, None) for k in range(10_000)}, {})
+    for n in range(1, keys.compact_after(3) - 1):
+        files = list(view.files)
+        view = keys.view(root, 3, files, {})
+        dropped = keys.commit(root, 3, view, {n: (b"y", 5, None), 10_000 + n: (b"z", None, None)}, {})
+        assert dropped == [] and view.files[:-1] == files
+        assert pq.read_metadata(tmp_path / "keys" / "3" / view.files[-1]).num_rows == 2
+    files = list(view.files)
+    view = keys.view(root, 3, files, {})
+    dropped = keys.commit(root, 3, view, {0: None}, {})  # the bucket's files are merged: one file of every key
+    assert dropped == files and len(view.files) == 1
+    assert pq.read_metadata(tmp_path / "keys" / "3" / view.files[0]).num_rows == len(view.rows) == 10_000 + (keys.compact_after(3) - 2) - 1
+    keys.forget()
+    again = keys.view(root, 3, view.files, {})
+    assert again.rows == view.rows and again.earliest_wake() == 5
+    emptied = keys.commit(root, 3, again, {k: None for k in list(again.rows)}, {})
+    assert emptied == view.files and again.files == [] and not again.rows  # a bucket without keys keeps no file
