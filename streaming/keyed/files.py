@@ -9,7 +9,7 @@ Every ``compact_after`` files (a little more or less per bucket, so buckets do n
 batch) the call writes the bucket's whole state as one file instead, and the older files are dropped.
 
 So a batch's cost follows the keys it touches, not the keys the stream remembers. Each Python worker keeps
-the views it has built in memory (about 200-400 bytes per key): a worker reads only the files it has not
+the views it has built in memory (about 400 bytes per key beside its state bytes): a worker reads only the files it has not
 read yet (in a running stream, usually none: it applied its own writes), and a worker that starts afresh
 reads a bucket's live files once.
 

@@ -267,21 +267,22 @@ class KeyStore:
 
 
 class _Handle:
+    """A state variable of the current key. Every element and timer reads and writes state several times,
+    so the descriptor's name, TTL and update type are looked up once, here."""
+
     def __init__(self, descriptor: _Descriptor, holder: "StoreHolder"):
         self.descriptor = descriptor
         self._holder = holder
+        self._name = descriptor.name
+        self._ttl_ms = descriptor.ttl.ttl_ms if descriptor.ttl is not None else None
+        self._touch = descriptor.ttl is not None and descriptor.ttl.update_type == ON_READ_AND_WRITE
 
     @property
     def _store(self) -> KeyStore:
         return self._holder.store
 
     def _alive(self, stamp: int) -> bool:
-        ttl = self.descriptor.ttl
-        return ttl is None or self._store.now_ms < stamp + ttl.ttl_ms
-
-    def _touch_on_read(self) -> bool:
-        ttl = self.descriptor.ttl
-        return ttl is not None and ttl.update_type == ON_READ_AND_WRITE
+        return self._ttl_ms is None or self._holder.store.now_ms < stamp + self._ttl_ms
 
 
 class StoreHolder:
@@ -293,40 +294,43 @@ class StoreHolder:
 class ValueState(_Handle):
     def value(self) -> Any:
         """The value, or None when unset or expired."""
-        entry = self._store.values.get(self.descriptor.name)
-        if entry is None or not self._alive(entry[1]):
+        store = self._holder.store
+        entry = store.values.get(self._name)
+        if entry is None or (self._ttl_ms is not None and store.now_ms >= entry[1] + self._ttl_ms):
             return None
-        if self._touch_on_read():
-            self._store.values[self.descriptor.name] = (entry[0], self._store.now_ms)
+        if self._touch:
+            store.values[self._name] = (entry[0], store.now_ms)
         return entry[0]
 
     def update(self, value: Any) -> None:
         if value is None:
             self.clear()
         else:
-            self._store.values[self.descriptor.name] = (value, self._store.now_ms)
+            store = self._holder.store
+            store.values[self._name] = (value, store.now_ms)
 
     def clear(self) -> None:
-        self._store.values.pop(self.descriptor.name, None)
+        self._holder.store.values.pop(self._name, None)
 
 
 class ListState(_Handle):
     def _entries(self) -> list[tuple[Any, int]]:
-        return [e for e in self._store.lists.get(self.descriptor.name, ()) if self._alive(e[1])]
+        return [e for e in self._store.lists.get(self._name, ()) if self._alive(e[1])]
 
     def get(self) -> list:
         """The live elements, oldest first."""
         entries = self._entries()
-        if self._touch_on_read() and entries:
+        if self._touch and entries:
             entries = [(v, self._store.now_ms) for v, _ in entries]
-            self._store.lists[self.descriptor.name] = entries
+            self._store.lists[self._name] = entries
         return [v for v, _ in entries]
 
     def __iter__(self) -> Iterator:
         return iter(self.get())
 
     def add(self, value: Any) -> None:
-        self._store.lists.setdefault(self.descriptor.name, []).append((value, self._store.now_ms))
+        store = self._holder.store
+        store.lists.setdefault(self._name, []).append((value, store.now_ms))
 
     def add_all(self, values) -> None:
         for value in values:
@@ -334,36 +338,41 @@ class ListState(_Handle):
 
     def update(self, values) -> None:
         """Replace the list (every element gets a fresh TTL stamp)."""
-        self._store.lists[self.descriptor.name] = [(v, self._store.now_ms) for v in values]
+        self._store.lists[self._name] = [(v, self._store.now_ms) for v in values]
 
     def clear(self) -> None:
-        self._store.lists.pop(self.descriptor.name, None)
+        self._store.lists.pop(self._name, None)
+
+
+_NO_ENTRIES: dict = {}
 
 
 class MapState(_Handle):
     def _map(self) -> dict:
-        return self._store.maps.setdefault(self.descriptor.name, {})
+        return self._holder.store.maps.setdefault(self._name, {})
 
     def get(self, key: Any) -> Any:
-        entry = self._store.maps.get(self.descriptor.name, {}).get(key)
-        if entry is None or not self._alive(entry[1]):
+        store = self._holder.store
+        entry = store.maps.get(self._name, _NO_ENTRIES).get(key)
+        if entry is None or (self._ttl_ms is not None and store.now_ms >= entry[1] + self._ttl_ms):
             return None
-        if self._touch_on_read():
-            self._map()[key] = (entry[0], self._store.now_ms)
+        if self._touch:
+            self._map()[key] = (entry[0], store.now_ms)
         return entry[0]
 
     def put(self, key: Any, value: Any) -> None:
-        self._map()[key] = (value, self._store.now_ms)
+        store = self._holder.store
+        store.maps.setdefault(self._name, {})[key] = (value, store.now_ms)
 
     def contains(self, key: Any) -> bool:
-        entry = self._store.maps.get(self.descriptor.name, {}).get(key)
+        entry = self._holder.store.maps.get(self._name, _NO_ENTRIES).get(key)
         return entry is not None and self._alive(entry[1])
 
     def remove(self, key: Any) -> None:
-        self._store.maps.get(self.descriptor.name, {}).pop(key, None)
+        self._holder.store.maps.get(self._name, _NO_ENTRIES).pop(key, None)
 
     def items(self) -> list[tuple[Any, Any]]:
-        return [(k, e[0]) for k, e in self._store.maps.get(self.descriptor.name, {}).items() if self._alive(e[1])]
+        return [(k, e[0]) for k, e in self._store.maps.get(self._name, _NO_ENTRIES).items() if self._alive(e[1])]
 
     def keys(self) -> list:
         return [k for k, _ in self.items()]
@@ -375,7 +384,7 @@ class MapState(_Handle):
         return not self.items()
 
     def clear(self) -> None:
-        self._store.maps.pop(self.descriptor.name, None)
+        self._store.maps.pop(self._name, None)
 
 
 HANDLES = {"value": ValueState, "list": ListState, "map": MapState}

@@ -600,7 +600,7 @@ def group_state(view: "keys.BucketView") -> bytes:
 def stream_frame(job: KeyedJob, parsed: DataFrame, buckets: int, labels: tuple[int, ...] | None = None, *,
                  store: str, options: dict | None = None) -> DataFrame:
     """The keyed streaming query's output: rows of kind out | late | q | stats; keys in ``buckets`` groups
-    (grouped by ``labels``, see ``bucket_labels``). Each key's state lives in ``store`` (``checkpoint.keys``;
+    (grouped by ``labels``, see ``bucket_labels``). Each key's state lives in ``store`` (``keyed.files``;
     ``options``: its file system's storage options); a bucket's group state names the files."""
     options = dict(options or {})
     encode, merge_after = group_state, keys.COMPACT_AFTER  # (bound here: what Spark ships is what the stream started with)
