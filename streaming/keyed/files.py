@@ -33,7 +33,6 @@ from typing import Any, Mapping
 
 COMPACT_AFTER = 16  # files per bucket before its state is written as one file
 IDLE_SECONDS = 1800  # a view not used this long (its stream stopped) is dropped
-KEYS_DIR = "keys"  # under the checkpoint's engine folder: ``lakestream/keys/<bucket>/<file>.parquet``
 
 Row = tuple  # (state bytes, event-time wake-up ms or None, processing-time wake-up ms or None)
 
