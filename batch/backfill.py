@@ -177,39 +177,39 @@ def _backfill(spark, settings: Settings, job: Job, start: datetime, end: datetim
     props = {"lakestream.job": job.name, "lakestream.backfill": f"{iso_ms(start)}/{iso_ms(end)}"}
     reconciliation = None
     try:
-        main, rows_seen = result.main, None
-        if reconcile_first and EngineState(spark, settings.checkpoint_dir(job.name)).latest_record() is not None:
-            from .reconcile import compare, record_results, stream_watermark
-
-            main = main.cache()  # read by the comparison, then written
-            rows = main.count()
-            reconciliation = compare(spark, settings, job, result, stream_watermark(spark, settings, job), start, end)
-            record_results(spark, settings, reconciliation)
-        else:  # one pass reads the lines, counts them and writes the range (no cache, no separate count)
-            rows_seen = Observation(f"backfill-{job.name}-{next(_RUNS)}")
-            main = observe(main, rows_seen, [F.count(F.lit(1)).alias("n")])
-        # The main table first: its pass also counts the run's lines, quarantined ones included.
-        sinks.main.replace_range(main, main_time_column(job), lo, hi, props)
-        if rows_seen is not None:
-            rows = int(observed(rows_seen)["n"] or 0)
-        main.unpersist()
-        stats = result.final_stats()
-        seconds = time.monotonic() - started
-        say(f"  read {stats.lines:,} lines ({stats.lines / max(seconds, 1e-9):,.0f} lines/s), {stats.events:,} "
-            f"events for the range, {stats.quarantined:,} quarantined, {stats.duplicates:,} duplicate(s) dropped")
-        if reconciliation is not None:
-            say(f"  the stream before the replace: {reconciliation.unexplained} unexplained difference(s)\n"
-                + reconciliation.table())
-        say(f"  [1/{tables}] {sinks.main.table.name}: {days}/{days} day partition(s) replaced, {rows:,} rows")
-        # The quarantine and late tables are independent commits: run side by side (each is a small
-        # job whose time is mostly planning and commit latency, which overlap).
+        # The quarantine's commits are independent of the main table's: they start now and run beside its pass
+        # (their reads of the cached lines and their commit latency overlap it). The late table's follows the
+        # main table's commit: it removes late rows whose events the main table now counts.
         read = _read_by_stream(settings, job)
-        steps = [lambda s=source, f=frame: _quarantine(sinks, result, s, f, props, read)
-                 for source, frame in result.quarantine.items()]
-        steps.append(lambda: _absorb_late(sinks, result, job, lo, hi, props))
-        with ThreadPoolExecutor(max_workers=len(steps), thread_name_prefix=f"backfill-{job.name}") as pool:
-            for done, line in enumerate(pool.map(lambda step: step(), steps), start=2):
-                say(f"  [{done}/{tables}] {line}")
+        with ThreadPoolExecutor(max_workers=len(result.quarantine) + 1, thread_name_prefix=f"backfill-{job.name}") as pool:
+            quarantined = [pool.submit(_quarantine, sinks, result, source, frame, props, read)
+                           for source, frame in result.quarantine.items()]
+            main, rows_seen = result.main, None
+            if reconcile_first and EngineState(spark, settings.checkpoint_dir(job.name)).latest_record() is not None:
+                from .reconcile import compare, record_results, stream_watermark
+
+                main = main.cache()  # read by the comparison, then written
+                rows = main.count()
+                reconciliation = compare(spark, settings, job, result, stream_watermark(spark, settings, job), start, end)
+                record_results(spark, settings, reconciliation)
+            else:  # one pass reads the events, counts the rows and writes the range (no cache, no separate count)
+                rows_seen = Observation(f"backfill-{job.name}-{next(_RUNS)}")
+                main = observe(main, rows_seen, [F.count(F.lit(1)).alias("n")])
+            sinks.main.replace_range(main, main_time_column(job), lo, hi, props)
+            if rows_seen is not None:
+                rows = int(observed(rows_seen)["n"] or 0)
+            main.unpersist()
+            stats = result.final_stats()
+            seconds = time.monotonic() - started
+            say(f"  read {stats.lines:,} lines ({stats.lines / max(seconds, 1e-9):,.0f} lines/s), {stats.events:,} "
+                f"events for the range, {stats.quarantined:,} quarantined, {stats.duplicates:,} duplicate(s) dropped")
+            if reconciliation is not None:
+                say(f"  the stream before the replace: {reconciliation.unexplained} unexplained difference(s)\n"
+                    + reconciliation.table())
+            say(f"  [1/{tables}] {sinks.main.table.name}: {days}/{days} day partition(s) replaced, {rows:,} rows")
+            late = pool.submit(_absorb_late, sinks, result, job, lo, hi, props)
+            for done, step in enumerate([*quarantined, late], start=2):
+                say(f"  [{done}/{tables}] {step.result()}")
         seconds = time.monotonic() - started
         say(f"  done in {seconds:.1f} s ({stats.lines / max(seconds, 1e-9):,.0f} lines/s overall)")
         stats = replace(stats, rows_written=rows)

@@ -37,7 +37,8 @@ def read_landing(spark, settings: Settings, job: Job, as_of: Mapping[str, int] |
 @dataclass
 class Bounded:
     """The bounded result of ``job`` over ``[lo, hi)``: lazily built frames, cached while in use. Its
-    statistics are counted while the main rows are computed: read them after an action over ``main``."""
+    statistics are complete after an action over ``main`` (the events it keeps are counted on the way);
+    the lines quarantined per source are known from the start."""
 
     job: Job
     lo: int
@@ -54,7 +55,7 @@ class Bounded:
         return self._stats()
 
     def quarantined(self, source: str) -> int | None:
-        """Lines of ``source`` quarantined (None: not counted apart); after an action over ``main``."""
+        """Lines of ``source`` quarantined (None: not counted apart)."""
         return None if self._quarantined is None else self._quarantined().get(source, 0)
 
     def release(self) -> None:
@@ -73,6 +74,7 @@ def compute(spark, settings: Settings, job: Job, lo: int, hi: int, say=lambda _m
     if isinstance(job, KeyedJob):
         return _keyed(spark, job, raw, lo, hi, say, time.monotonic())
     plan = plan_batch(job, raw, bounded=True, event_range_ms=job.window.events_for(lo, hi))
+    plan.count()  # (the lines cached and counted first: the quarantine's write need not wait for the firing)
     rows = plan.fire(POS_INF_MS).rows
     in_range = (F.col("window_start") >= F.lit(from_epoch_ms(lo))) & (F.col("window_start") < F.lit(from_epoch_ms(hi)))
     key = job.source.dedup_key

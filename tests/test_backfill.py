@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from collections import Counter
 from dataclasses import replace
 from datetime import timedelta
 from decimal import Decimal
@@ -65,6 +66,36 @@ def test_backfill_in_delta_equals_the_oracle_and_a_rerun_changes_nothing(spark, 
     quarantined = sinks.quarantine["payments"].read().agg({"occurrences": "sum"}).first()[0]
     assert quarantined == sum(1 for p in oracle.files_in_arrival_order(Path(settings.landing_dir("payments")))
                               for line in oracle.read_lines(p) if oracle.validate(line) is None)
+
+
+def test_a_backfill_whose_main_table_fails_beside_its_quarantine_commit_is_whole_when_run_again(spark, small_landing, monkeypatch):
+    """The quarantine's commit runs beside the main table's pass. The main table's write fails: the backfill
+    fails once the quarantine's commit has ended (the cache they share stays until then), and a second run
+    leaves both tables equal to the oracle, no quarantined line twice."""
+    from streaming.io.sinks.iceberg import IcebergSink
+
+    job = get_job(JOB, small_landing)
+    replace_range = IcebergSink.replace_range
+
+    def failing(self, *args, **kwargs):
+        raise RuntimeError("the main table's write failed")
+
+    monkeypatch.setattr(IcebergSink, "replace_range", failing)
+    with pytest.raises(RuntimeError, match="main table's write failed"):
+        backfill(spark, small_landing, job, DAY1, DAY2, progress=None)
+    sinks = job_sinks(spark, small_landing, job)
+    assert sinks.main.read().count() == 0
+    monkeypatch.setattr(IcebergSink, "replace_range", replace_range)
+    backfill(spark, small_landing, job, DAY1, DAY2, progress=None)
+
+    landing = Path(small_landing.landing_dir("payments"))
+    assert windows_of(sinks.main.read()) == bounded_oracle(landing, DAY1, DAY2)
+    invalid = [(p.name, line) for p in oracle.files_in_arrival_order(landing) for line in oracle.read_lines(p)
+               if oracle.validate(line) is None]
+    rows = sinks.quarantine["payments"].read().collect()
+    assert len(rows) == len({(r.source_file, r.raw_line) for r in rows}), "a quarantined line twice"
+    assert sorted((Path(r.source_file).name, r.raw_line, r.occurrences) for r in rows) == \
+        sorted((name, line, n) for (name, line), n in Counter(invalid).items())
 
 
 def test_a_backfill_refuses_windows_a_running_stream_still_owns_unless_forced_and_takes_a_stopped_ones(spark, small_landing):
@@ -212,3 +243,15 @@ def test_the_bounded_dedup_numbers_each_ids_deliveries_without_sorting_every_eve
         result.release()
     assert "row_number()" in plan
     assert "WindowGroupLimit" not in plan
+
+
+def test_an_iceberg_merge_overtaken_by_another_writers_commit_is_retried_as_a_conflict():
+    """Iceberg's MERGE (the backfill's late rows, beside a live stream) fails when the stream committed between
+    its scan and its runtime filter; that is a conflict to retry, not a failure (seen in the test above)."""
+    from streaming.io.sinks.base import is_conflict
+
+    message = ("java.lang.IllegalStateException: Runtime file filtering is not possible: the table has been "
+               "concurrently modified. Row-level operation scan snapshot ID: 7834456638948457883, current table "
+               "snapshot ID: 1611405522571864318.")
+    assert is_conflict(RuntimeError(message))
+    assert not is_conflict(RuntimeError("java.lang.IllegalStateException: Cannot write to a closed writer"))

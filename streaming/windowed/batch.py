@@ -30,6 +30,7 @@ stream remembers.
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pyspark import StorageLevel
@@ -122,6 +123,7 @@ class WindowedBatch:
     _repeats: tuple[list[int], list[int], list[int]] | None | object = _UNKNOWN
     _remembered_found: tuple[list[int], list[int]] | None = None  # remembered ids found by the statistics job (``_h1``, ``_h2``)
     _observation: Observation | None = None
+    _counting: Future | None = None  # bounded: the lines' count, running (see :meth:`count`)
     _lines_seen: Observation | None = None
     _observed_lines: DataFrame | None = None
     _leaf: DataFrame | None = None  # a stream's cached lines, as a plan of one node (see ``spark.jvm.cached_leaf``)
@@ -173,20 +175,46 @@ class WindowedBatch:
         return self._leaf
 
     def _lines(self) -> DataFrame:
-        """Every parsed line, cached. Bounded: also counted on the way (the firing's pass reads them all)."""
+        """Every parsed line, cached. Bounded: also counted on the way (the firing's pass reads them all), unless
+        :meth:`count` counted them first."""
         lines = self._cached_lines()
-        if not self.bounded:
+        if not self.bounded or self._counting is not None:
             return lines
         if self._lines_seen is None:
             self._lines_seen = Observation(f"lines-{self.job.name}-{next(_OBSERVATIONS)}")
             self._observed_lines = observe(self.parsed, self._lines_seen, self._stat_columns())
         return self._observed_lines
 
+    def count(self) -> None:
+        """Bounded: count the lines in a job of their own, started now on another thread (:meth:`stats` waits for
+        it), which also fills their cache; call it before :meth:`fire`. The driver builds the firing's plans
+        meanwhile, and the lines' other readers (the quarantine) need not wait for the firing's pass."""
+        assert self.bounded and self._lines_seen is None, "count() is for a bounded run, before its firing is built"
+        spark = self.parsed.sparkSession
+        counts = self._cached_lines().agg(*self._stat_columns())
+        adaptive = spark.conf.get("spark.sql.adaptive.enabled", None)
+        # Planned here, without adaptive execution (which would fill the cache in a job of its own and read it
+        # again for the counts); the plan is kept by the frame, so the thread runs it as planned.
+        spark.conf.set("spark.sql.adaptive.enabled", "false")
+        try:
+            counts._jdf.queryExecution().executedPlan()
+        finally:
+            if adaptive is None:
+                spark.conf.unset("spark.sql.adaptive.enabled")
+            else:
+                spark.conf.set("spark.sql.adaptive.enabled", adaptive)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"count-{self.job.name}")
+        self._counting = pool.submit(lambda: counts.collect()[0])
+        pool.shutdown(wait=False)
+
     def stats(self) -> BatchStats:
-        """The batch's statistics. Bounded: call it after an action over :meth:`fire`'s rows has run."""
+        """The batch's statistics. Bounded: call it after :meth:`count`, or after an action over :meth:`fire`'s
+        rows has run."""
         if self._stats is None:
             job = self.job
-            if self.bounded:
+            if self._counting is not None:
+                row = self._counting.result()
+            elif self.bounded:
                 row = observed(self._lines_seen)
             elif self.expect_large:
                 seen = Observation(f"stats-{job.name}-{next(_OBSERVATIONS)}")
@@ -198,13 +226,16 @@ class WindowedBatch:
                 row = observed(seen)
             else:
                 row = self._lines().agg(*self._stat_columns()).first()
-            self.quarantined_by_source = {s.name: row[s.name] for s in job.sources}
-            self._stats = BatchStats(lines=row["_lines"], quarantined=sum(self.quarantined_by_source.values()),
-                                     events=row["_valid"], max_event_time_ms=row["_max_t"],
-                                     watermark_in_ms=self.watermark_in_ms)
-            self._min_t = row["_min_t"]
-            self._late_candidates = int(row["_early"] or 0) if not self.bounded else 0
+            self._set_stats(row)
         return self._stats
+
+    def _set_stats(self, row) -> None:
+        self.quarantined_by_source = {s.name: row[s.name] for s in self.job.sources}
+        self._stats = BatchStats(lines=row["_lines"], quarantined=sum(self.quarantined_by_source.values()),
+                                 events=row["_valid"], max_event_time_ms=row["_max_t"],
+                                 watermark_in_ms=self.watermark_in_ms)
+        self._min_t = row["_min_t"]
+        self._late_candidates = int(row["_early"] or 0) if not self.bounded else 0
 
     def late_candidates(self) -> int:
         """A stream's batch: its valid lines before :meth:`late_horizon_ms` (repeats included)."""
@@ -438,6 +469,8 @@ class WindowedBatch:
         return fired
 
     def release(self) -> None:
+        if self._counting is not None:
+            self._counting.exception()  # (let it end before its cache goes)
         for frame in self._cached:
             frame.unpersist()
         self._cached.clear()

@@ -82,7 +82,9 @@ def later_batch(commit_id: str | None, app_id: str, batch_id: int) -> bool:
 
 # Messages of commit conflicts with another writer (a backfill beside the stream): retried.
 _CONFLICTS = ("CommitFailedException", "ValidationException", "Found conflicting files", "CommitConflict",
-              "Transaction failed", "ConcurrentAppend", "ConcurrentDelete", "version already exists")
+              "Transaction failed", "ConcurrentAppend", "ConcurrentDelete", "version already exists",
+              # Iceberg's MERGE when another writer committed between its scan and its runtime filter
+              "the table has been concurrently modified")
 
 
 def is_conflict(exc: BaseException) -> bool:
