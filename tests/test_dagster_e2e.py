@@ -531,6 +531,15 @@ def browser(tmp_path_factory):
         context.close()
 
 
+def _new_page(browser):
+    """A page that dismisses Dagster's "join the community" dialog whenever it appears: on a loaded machine it
+    came after ``_open``'s look for it, and its backdrop then took the test's clicks."""
+    page = browser.new_page()
+    skip = page.get_by_role("button", name="Skip")
+    page.add_locator_handler(skip, lambda: skip.first.click())
+    return page
+
+
 def _open(page, url: str) -> None:
     page.goto(url, wait_until="networkidle", timeout=120_000)
     page.wait_for_timeout(2000)
@@ -562,7 +571,7 @@ def test_the_ui_backfills_a_day_twice_and_shows_the_checks_partitions_and_the_st
     """Clicked as a user does: the table's launchpad, the day, `force: true`, Materialize — twice; then
     the reconciliation check's Partitions tab and the stream's own checks. Screenshots in ARTIFACTS."""
     base = f"http://127.0.0.1:{servers.port}"
-    page = browser.new_page()
+    page = _new_page(browser)
     for attempt in (1, 2):
         _open(page, f"{base}/assets/{'/'.join(MAIN)}")
         page.locator("button:right-of(:text('Materialize…'))").first.click()  # the menu beside Materialize
@@ -608,7 +617,7 @@ def test_the_ui_backfills_a_day_twice_and_shows_the_checks_partitions_and_the_st
 
 def test_the_ui_shows_the_lineage_from_landing_through_the_job_to_a_dbt_mart(servers, browser):
     base = f"http://127.0.0.1:{servers.port}/assets"
-    page = browser.new_page()
+    page = _new_page(browser)
 
     def upstream_of(path: str, ready) -> tuple[list[str], str]:
         _open(page, f"{base}/{path}?view=lineage&lineageScope=upstream&lineageDepth=1")

@@ -144,3 +144,9 @@ def estimated_bytes(frame) -> int | None:
     except Exception:  # noqa: BLE001 - an estimate only
         return None
     return size if 0 <= size < 2**62 else None  # (Spark says Long.MaxValue when it does not know)
+
+
+def plan_now(frame) -> None:
+    """Plan ``frame`` for execution now, with the session's settings of this moment: an action on the same frame
+    later (``collect``) runs this plan, whatever the settings are then."""
+    frame._jdf.queryExecution().executedPlan()  # noqa: SLF001

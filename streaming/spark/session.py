@@ -145,6 +145,9 @@ def spark_conf(settings: Settings) -> dict[str, str]:
         # every map partition to drop repeats before the shuffle too; repeats are rare, so that sort removed
         # nothing and cost ~0.9 s of a 1M-event backfill (its stage 1.75 s -> 0.9 s without it).
         "spark.sql.optimizer.windowGroupLimitThreshold": "-1",
+        # Python workers forked from a daemon whose import path holds no archive they do not need: PySpark's
+        # worker re-read every archive's directory at the start of each task, ~67 ms (``pyworkers``).
+        "spark.python.daemon.module": "streaming.spark.pyworkers",
     }
     if sys.version_info < (3, 12):
         # PySpark's first Arrow conversion in a Python worker imports ``distutils``; setuptools' hook then

@@ -46,7 +46,7 @@ from ..declaration import WindowedJob
 from ..errors import DeclarationError
 from ..io.parse import ARRIVAL, parse_sources
 from ..spark.columns import as_param, group, in_set, once, param, select
-from ..spark.jvm import cached_leaf, estimated_bytes, referenced_columns
+from ..spark.jvm import cached_leaf, estimated_bytes, plan_now, referenced_columns
 from ..spark.metrics import observe, observed, packed
 from ..time import NEG_INF_MS, POS_INF_MS, advance
 from ..windows import WE, WS, Fired, Firing
@@ -197,7 +197,7 @@ class WindowedBatch:
         # again for the counts); the plan is kept by the frame, so the thread runs it as planned.
         spark.conf.set("spark.sql.adaptive.enabled", "false")
         try:
-            counts._jdf.queryExecution().executedPlan()
+            plan_now(counts)
         finally:
             if adaptive is None:
                 spark.conf.unset("spark.sql.adaptive.enabled")

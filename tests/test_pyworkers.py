@@ -1,0 +1,67 @@
+"""The Python workers' daemon (``streaming.spark.pyworkers``): workers whose import path holds no archive they do
+not need, so PySpark's ``importlib.invalidate_caches()`` at the start of each task reads no archive again."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+import pandas as pd
+
+
+def _worker_path(batches):
+    import importlib
+    import sys
+
+    import pyspark
+
+    importlib.invalidate_caches()  # (as PySpark's worker does before each task)
+    archives = [p for p in sys.path if p.endswith((".zip", ".jar")) and os.path.isfile(p)]
+    cached = [p for p, finder in sys.path_importer_cache.items()
+              if finder is not None and type(finder).__name__ == "zipimporter"]
+    for _ in batches:
+        pass
+    yield pd.DataFrame({"archives": [";".join(archives)], "zip_finders": [";".join(cached)],
+                        "pyspark": [pyspark.__file__]})
+
+
+def test_python_tasks_run_in_workers_without_spark_archives_on_their_path(spark):
+    assert spark.conf.get("spark.python.daemon.module") == "streaming.spark.pyworkers"
+    rows = spark.range(4, numPartitions=2).mapInPandas(
+        _worker_path, "archives string, zip_finders string, pyspark string").collect()
+    assert len(rows) == 2
+    for row in rows:
+        assert ".jar" not in row.archives and "pyspark.zip" not in row.archives, row.archives
+        assert "spark-core" not in row.zip_finders and "pyspark.zip" not in row.zip_finders, row.zip_finders
+        assert ".zip" not in row.pyspark, f"PySpark imported from an archive: {row.pyspark}"
+
+
+def test_the_zip_of_another_spark_distribution_and_foreign_archives_stay(tmp_path):
+    """A Spark distribution's own PySpark zip (not the installed package's) is kept: the worker must speak the
+    JVM's protocol. Spark's jars go (no Python module lives there); other archives stay."""
+    from streaming.spark.pyworkers import trimmed
+
+    site = tmp_path / "site-packages"
+    (site / "pyspark" / "python" / "lib").mkdir(parents=True)
+    (site / "pyspark" / "__init__.py").write_text("")
+    (site / "py4j").mkdir()
+    (site / "py4j" / "__init__.py").write_text("")
+    dist = tmp_path / "opt-spark"
+    (dist / "python" / "lib").mkdir(parents=True)
+    (dist / "jars").mkdir()
+
+    def archive(path):
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("x.py", "")
+        return str(path)
+
+    own_zip = archive(site / "pyspark" / "python" / "lib" / "pyspark.zip")
+    own_py4j = archive(site / "pyspark" / "python" / "lib" / "py4j-0.10.9.7-src.zip")
+    other_zip = archive(dist / "python" / "lib" / "pyspark.zip")
+    jar = archive(dist / "jars" / "spark-core_2.12-3.5.7.jar")
+    user = archive(tmp_path / "deps.zip")
+    missing = str(tmp_path / "python311.zip")
+
+    assert trimmed([own_zip, own_py4j, jar, user, missing, str(site)]) == [user, missing, str(site)]
+    assert trimmed([other_zip, jar, user, str(site)]) == [other_zip, user, str(site)]
+    assert trimmed([own_zip, own_py4j, jar, user]) == [own_zip, own_py4j, user], "no PySpark elsewhere: the zips stay"
