@@ -541,12 +541,10 @@ def _new_page(browser):
 
 
 def _open(page, url: str) -> None:
+    """Go to ``url`` (Dagster's "join the community" dialog, on a first visit, is dismissed by ``_new_page``'s
+    handler before the next action, whenever it appears)."""
     page.goto(url, wait_until="networkidle", timeout=120_000)
     page.wait_for_timeout(2000)
-    skip = page.get_by_role("button", name="Skip")  # Dagster's "join the community" dialog, on a first visit
-    if skip.count():
-        skip.first.click()
-        page.wait_for_timeout(500)
 
 
 def _drawn(page, ready, shot: str, timeout: float = 60.0) -> tuple[list[str], str]:
