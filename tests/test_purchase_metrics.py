@@ -77,8 +77,8 @@ def streamed(spark, tmp_path_factory) -> Streamed:
         report=report,
         windows=table_windows(spark),
         late=spark.sql(
-            "SELECT event_id, user_id, unix_millis(window_start) AS ws, window_end, watermark_ms, late_by_ms, event_time "
-            "FROM lake.payments.purchase_metrics_late"
+            "SELECT event_id, user_id, unix_millis(window_start) AS ws, window_end, watermark_ms, late_by_ms, event_time, "
+            "event, source_file FROM lake.payments.purchase_metrics_late"
         ).collect(),
         quarantine=spark.sql("SELECT raw_line, reason, occurrences, source_file FROM lake.quarantine.payments").collect(),
     )
@@ -95,6 +95,30 @@ def test_stream_emits_exactly_the_closed_windows_and_sends_late_events_to_the_si
     assert all(r.late_by_ms == r.watermark_ms - epoch_ms(r.event_time) for r in late)
     assert report.stats.late == len(truth.late_ids)
     assert report.totals.watermark_out_ms == truth.watermark_ms
+
+
+def test_late_rows_carry_the_original_event_and_its_file(streamed):
+    """Each late row's ``event`` is the payment as it arrived (its fields, from the first file that delivered it)
+    and ``source_file`` that file: read from the landing files, not from the engine."""
+    import json
+
+    first: dict[str, tuple[str, dict]] = {}
+    for path in oracle.files_in_arrival_order(streamed.landing):
+        for line in oracle.read_lines(path):
+            try:
+                fields = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(fields, dict) and isinstance(fields.get("event_id"), str):
+                first.setdefault(fields["event_id"], (path.name, fields))
+    assert streamed.late
+    for r in streamed.late:
+        name, fields = first[r.event_id]
+        assert r.source_file.endswith("/" + name), (r.event_id, r.source_file, name)
+        event = json.loads(r.event)
+        assert event["event_id"] == r.event_id and event["user_id"] == fields["user_id"] == r.user_id
+        assert Decimal(str(event["amount"])) == Decimal(str(fields["amount"]))
+        assert event["status"] == fields["status"]
 
 
 def test_bounded_twin_equals_the_batch_oracle_and_rerunning_changes_nothing(spark, small_landing):
