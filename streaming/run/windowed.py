@@ -106,7 +106,17 @@ class WindowedHandler(Handler):
                               expected=batch.late_candidates() * job.window.windows_per_event)
                 outputs.append(late)
             written = deleted = 0
-            if fired.rows is not None:
+            main = None
+            if fired.rows is not None and not (job.upserts or forced) and OP not in fired.rows.columns \
+                    and batch_id != self._replay:
+                # Appended windows are counted while written: no cache of them and no count job before the write.
+                # (A bound on their number for the sink's choice of write: every stored piece, and as many of
+                # this batch's as its events can make. A batch Spark may be replaying counts them first, as its
+                # commit may be in the table already and then writes nothing to count.)
+                bound = stats.events * job.window.windows_per_event + store.manifest.rows().get("pieces", 0)
+                main = Output(self.sinks.main, fired.rows, None, span="window_start", expected=bound)
+                outputs.append(main)
+            elif fired.rows is not None:
                 kept = batch.cache(fired.rows)
                 if forced and OP not in kept.columns:
                     kept = kept.withColumn(OP, F.lit("upsert"))
@@ -119,6 +129,8 @@ class WindowedHandler(Handler):
                                       [*job.keys, "window_start"] if job.upserts or forced else None))
             t = timed("fire windows", t)
             tables = self.write(outputs, commit, batch_id)
+            if main is not None:
+                written = main.rows or 0
             n_late = late.rows or 0 if late is not None else 0
             tables.update(quarantined.result())
             t = timed("commits", t)
