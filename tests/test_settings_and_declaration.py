@@ -185,16 +185,15 @@ def test_the_savepoint_schedule_is_a_setting_and_a_bad_cron_is_refused_in_one_li
     assert "\n" not in str(refused.value) and "five fields" in str(refused.value) and "'0 4 * * *'" in str(refused.value)
 
 
-def test_bounded_work_on_a_local_master_uses_the_throughput_collector_unless_the_options_name_a_gc(tmp_path):
+def test_a_local_master_uses_the_throughput_collector_unless_the_options_name_a_gc(tmp_path):
     from dataclasses import replace
 
     from streaming.spark.session import spark_conf
 
     settings = Settings.load({"LAKESTREAM_HOME": str(tmp_path), "LAKESTREAM_CLASS_ARCHIVE": "0"})
-    assert "UseParallelGC" not in spark_conf(settings)["spark.driver.extraJavaOptions"]  # a stream keeps G1
-    assert "-XX:+UseParallelGC" in spark_conf(replace(settings, bounded_work=True))["spark.driver.extraJavaOptions"]
-    mine = replace(settings, bounded_work=True, jvm_options="-XX:+UseG1GC")
+    assert "-XX:+UseParallelGC" in spark_conf(settings)["spark.driver.extraJavaOptions"]
+    mine = replace(settings, jvm_options="-XX:+UseG1GC")
     options = spark_conf(mine)["spark.driver.extraJavaOptions"]
     assert "UseParallelGC" not in options and "-XX:+UseG1GC" in options
-    cluster = replace(settings, bounded_work=True, spark_master="spark://somewhere:7077")
+    cluster = replace(settings, spark_master="spark://somewhere:7077")
     assert "UseParallelGC" not in spark_conf(cluster)["spark.driver.extraJavaOptions"]
