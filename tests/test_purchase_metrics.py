@@ -240,6 +240,40 @@ def test_a_batch_that_fails_between_commits_is_replayed_exactly_once(spark, smal
     assert quarantined == truth.invalid_lines
 
 
+def test_only_the_batch_an_earlier_run_left_unfinished_looks_for_its_commits(spark, small_landing, monkeypatch):
+    """A run's own batches, its first included, are known to be new and write without looking their commits up in
+    the tables; after a crash, the batch the dead run left unfinished looks them up (and is not doubled)."""
+    from streaming.io.sinks.iceberg import IcebergSink
+
+    looked: list[int] = []
+    real = IcebergSink.is_committed
+
+    def recording(self, commit):
+        looked.append(commit.version)
+        return real(self, commit)
+
+    monkeypatch.setattr(IcebergSink, "is_committed", recording)
+    settings = small_landing.with_job(JOB, max_files_per_trigger=K)
+    job = get_job(JOB, settings)
+    hits = []
+
+    def crash(at: str, batch_id: int) -> None:
+        if at == "before-state" and not hits and batch_id >= 2:  # every table of the batch committed, no record
+            hits.append(batch_id)
+            raise Crash(f"injected crash at {at} in batch {batch_id}")
+
+    with pytest.raises(Exception, match="injected crash"):
+        run_stream(spark, settings, job, available_now=True, progress=None, fault=crash)
+    assert hits and looked == []
+    run_stream(spark, settings, job, available_now=True, progress=None)
+    assert looked and set(looked) == {hits[0]}
+
+    truth = oracle.replay_stream(k_files_per_batch(Path(settings.landing_dir("payments"))))
+    assert table_windows(spark) == truth.closed  # fails on any duplicate window
+    late = spark.sql("SELECT event_id FROM lake.payments.purchase_metrics_late").collect()
+    assert sorted(r.event_id for r in late) == sorted(truth.late_ids)
+
+
 def test_transform_runs_unchanged_on_a_streaming_frame(spark, small_landing):
     from pyspark.sql import functions as F
 

@@ -131,6 +131,7 @@ class Handler:
         self._started = False
         self._prefix = ""
         self._replay: int | None = None
+        self._replay_known = False
         self.records: Records | None = None
         self.state: EngineState | None = None
 
@@ -146,8 +147,17 @@ class Handler:
             ) from None
         self.state = EngineState(spark, self.layout.root)
         self.records = Records(self.state)
-        self._replay = self.state.replay_candidate()
+        if not self._replay_known:  # (as a last resort: the batch in flight may then be taken for a replay)
+            self._replay = self.state.replay_candidate()
         self._started = True
+
+    def before_start(self, spark, resuming: bool) -> None:
+        """Called before the query starts: the one batch Spark may replay is the one an earlier run planned and did
+        not commit; every batch this run plans is new. (Found at the first batch instead, this run's own first plan
+        is in the offset log already and looks the same: the first batch of every run would look its commits up
+        in every table.)"""
+        self._replay = EngineState(spark, self.layout.root).replay_candidate() if resuming else None
+        self._replay_known = True
 
     def previous(self, batch_id: int) -> BatchRecord | None:
         record = self.records.before(batch_id)

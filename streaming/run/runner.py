@@ -81,6 +81,7 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
         stream = raw
         handler = WindowedHandler(job, checkpoint, sinks, progress, report, fault, lease,
                                   store_schemas=store_schemas(spark, job), storage_options=settings.storage_options)
+    handler.before_start(spark, resuming)
     writer = stream.writeStream.queryName(job.name).option("checkpointLocation", checkpoint).foreachBatch(handler)
     interval = trigger_interval(settings, job)
     if available_now and not _polls(job) and not _paced_tables(settings, job):
