@@ -212,15 +212,10 @@ class Crash(Exception):
     pass
 
 
-@pytest.mark.parametrize(
-    "point",
-    ["committed:lake.payments.purchase_metrics", "committed:lake.payments.purchase_metrics_late", "before-state"],
-)
-def test_a_batch_that_fails_between_commits_is_replayed_exactly_once(spark, small_landing, point):
-    """Crash after some tables of a batch committed; the restart replays it without duplicates."""
-    settings = small_landing.with_job(JOB, max_files_per_trigger=K)
-    job = get_job(JOB, settings)
-    hits = []
+def _crash_once(spark, settings, job, point: str) -> list[int]:
+    """Run the stream until ``point`` of a batch from the third on raises; returns the
+    crashed batch (as a one-element list)."""
+    hits: list[int] = []
 
     def crash(at: str, batch_id: int) -> None:
         if at == point and not hits and batch_id >= 2:  # after a window closed and a late event came
@@ -230,12 +225,29 @@ def test_a_batch_that_fails_between_commits_is_replayed_exactly_once(spark, smal
     with pytest.raises(Exception, match="injected crash"):
         run_stream(spark, settings, job, available_now=True, progress=None, fault=crash)
     assert hits
-    run_stream(spark, settings, job, available_now=True, progress=None)
+    return hits
 
+
+def _assert_windows_and_late_rows_as_the_oracle_says(spark, settings) -> oracle.StreamTruth:
     truth = oracle.replay_stream(k_files_per_batch(Path(settings.landing_dir("payments"))))
     assert table_windows(spark) == truth.closed  # fails on any duplicate window
     late = spark.sql("SELECT event_id FROM lake.payments.purchase_metrics_late").collect()
     assert sorted(r.event_id for r in late) == sorted(truth.late_ids)
+    return truth
+
+
+@pytest.mark.parametrize(
+    "point",
+    ["committed:lake.payments.purchase_metrics", "committed:lake.payments.purchase_metrics_late", "before-state"],
+)
+def test_a_batch_that_fails_between_commits_is_replayed_exactly_once(spark, small_landing, point):
+    """Crash after some tables of a batch committed; the restart replays it without duplicates."""
+    settings = small_landing.with_job(JOB, max_files_per_trigger=K)
+    job = get_job(JOB, settings)
+    _crash_once(spark, settings, job, point)
+    run_stream(spark, settings, job, available_now=True, progress=None)
+
+    truth = _assert_windows_and_late_rows_as_the_oracle_says(spark, settings)
     quarantined = spark.sql("SELECT sum(occurrences) AS n FROM lake.quarantine.payments").first().n
     assert quarantined == truth.invalid_lines
 
@@ -255,23 +267,11 @@ def test_only_the_batch_an_earlier_run_left_unfinished_looks_for_its_commits(spa
     monkeypatch.setattr(IcebergSink, "is_committed", recording)
     settings = small_landing.with_job(JOB, max_files_per_trigger=K)
     job = get_job(JOB, settings)
-    hits = []
-
-    def crash(at: str, batch_id: int) -> None:
-        if at == "before-state" and not hits and batch_id >= 2:  # every table of the batch committed, no record
-            hits.append(batch_id)
-            raise Crash(f"injected crash at {at} in batch {batch_id}")
-
-    with pytest.raises(Exception, match="injected crash"):
-        run_stream(spark, settings, job, available_now=True, progress=None, fault=crash)
-    assert hits and looked == []
+    hits = _crash_once(spark, settings, job, "before-state")  # (every table of the batch committed, no record)
+    assert looked == []
     run_stream(spark, settings, job, available_now=True, progress=None)
     assert looked and set(looked) == {hits[0]}
-
-    truth = oracle.replay_stream(k_files_per_batch(Path(settings.landing_dir("payments"))))
-    assert table_windows(spark) == truth.closed  # fails on any duplicate window
-    late = spark.sql("SELECT event_id FROM lake.payments.purchase_metrics_late").collect()
-    assert sorted(r.event_id for r in late) == sorted(truth.late_ids)
+    _assert_windows_and_late_rows_as_the_oracle_says(spark, settings)
 
 
 def test_transform_runs_unchanged_on_a_streaming_frame(spark, small_landing):
