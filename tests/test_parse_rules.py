@@ -76,3 +76,42 @@ def test_the_first_broken_rule_is_the_reason_for_random_records(spark):
         if not ok:
             wrong.append((text, bad, reason))
     assert not wrong, f"{len(wrong)} record(s) with the wrong verdict, e.g. {wrong[:3]}"
+
+
+def _instant(rng: random.Random) -> tuple[str, int | None]:
+    """An ISO-8601 value and the oracle's instant (microseconds since the epoch; None: the rule rejects it)."""
+    from datetime import datetime, timedelta, timezone
+
+    if rng.random() < 0.1:  # values that look like one and are not
+        return rng.choice(["2026-02-30T00:00:00Z", "2025-02-29T12:00:00Z", "2026-11-20T24:00:00Z",
+                           "2026-11-20T10:60:00Z", "2026-11-20T10:00:00ZZ", "2026-11-20T10:00:00.1234567Z",
+                           "2026-11-20Z", "2026-11-20T10:00Z", "Z", "2026-11-20T10:00:00z"]), None
+    t = datetime(1970, 1, 1, tzinfo=timezone.utc) + timedelta(microseconds=rng.randrange(0, 130 * 365 * 86400 * 10**6))
+    digits = rng.choice([0, 0, 1, 3, 6])
+    t = t.replace(microsecond=t.microsecond // 10 ** (6 - digits) * 10 ** (6 - digits))
+    offset = rng.choice([0, 0, 0, 60, -330, 14 * 60, -12 * 60])
+    local = (t + timedelta(minutes=offset)).strftime("%Y-%m-%dT%H:%M:%S")
+    if digits:
+        local += "." + f"{t.microsecond:06d}"[:digits]
+    zone = "Z" if offset == 0 and rng.random() < 0.8 else f"{'+' if offset >= 0 else '-'}{abs(offset) // 60:02d}:{abs(offset) % 60:02d}"
+    return local + zone, (t - datetime(1970, 1, 1, tzinfo=timezone.utc)) // timedelta(microseconds=1)
+
+
+def test_timestamps_parse_to_the_instant_they_name_whatever_their_zone(spark):
+    """A timestamp field's value is the instant the ISO-8601 text names, in UTC ('Z') or at an offset, with 0-6
+    fraction digits, from 1970 to 2100; a text that only looks like one is quarantined (the oracle: Python's
+    calendar arithmetic)."""
+    rng = random.Random(20261128)
+    cases = [_instant(rng) for _ in range(4000)]
+    assert sum(1 for v, _ in cases if v.endswith("Z")) > 1200 and sum(1 for _, us in cases if us is None) > 200
+    source = Source(name="times", fields=(Field("id", "string"), Field("t", "timestamp")), event_time="t", dedup_key="id")
+    raw = spark.createDataFrame([(json.dumps({"id": f"{i:05d}", "t": v}), "f") for i, (v, _) in enumerate(cases)],
+                                "value string, source_file string")
+    got = {r["id"]: (r["us"], r["_reason"]) for r in
+           parse(raw, source).select("id", F.unix_micros("t").alias("us"), "_reason").collect()}
+    wrong = []
+    for i, (value, us) in enumerate(cases):
+        parsed, reason = got[f"{i:05d}"]
+        if (reason is not None or parsed != us) if us is not None else reason is None:
+            wrong.append((value, us, parsed, reason))
+    assert not wrong, f"{len(wrong)} value(s) parsed wrongly, e.g. {wrong[:3]}"
