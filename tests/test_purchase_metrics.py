@@ -212,9 +212,8 @@ class Crash(Exception):
     pass
 
 
-def _crash_once(spark, settings, job, point: str) -> list[int]:
-    """Run the stream until ``point`` of a batch from the third on raises; returns the
-    crashed batch (as a one-element list)."""
+def _crash_once(spark, settings, job, point: str) -> int:
+    """Run the stream until ``point`` of a batch from the third on raises; returns that batch's id."""
     hits: list[int] = []
 
     def crash(at: str, batch_id: int) -> None:
@@ -225,7 +224,7 @@ def _crash_once(spark, settings, job, point: str) -> list[int]:
     with pytest.raises(Exception, match="injected crash"):
         run_stream(spark, settings, job, available_now=True, progress=None, fault=crash)
     assert hits
-    return hits
+    return hits[0]
 
 
 def _assert_windows_and_late_rows_as_the_oracle_says(spark, settings) -> oracle.StreamTruth:
@@ -267,10 +266,10 @@ def test_only_the_batch_an_earlier_run_left_unfinished_looks_for_its_commits(spa
     monkeypatch.setattr(IcebergSink, "is_committed", recording)
     settings = small_landing.with_job(JOB, max_files_per_trigger=K)
     job = get_job(JOB, settings)
-    hits = _crash_once(spark, settings, job, "before-state")  # (every table of the batch committed, no record)
+    crashed = _crash_once(spark, settings, job, "before-state")  # (every table of the batch committed, no record)
     assert looked == []
     run_stream(spark, settings, job, available_now=True, progress=None)
-    assert looked and set(looked) == {hits[0]}
+    assert looked and set(looked) == {crashed}
     _assert_windows_and_late_rows_as_the_oracle_says(spark, settings)
 
 

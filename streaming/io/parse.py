@@ -50,7 +50,7 @@ def _decimal_rule(field: Field) -> str:
     return f"^[+-]?{whole}$" if scale == 0 else f"^[+-]?{whole}(\\.[0-9]{{1,{scale}}})?$"
 
 
-def _typed(field: Field, raw: Column, utc: bool = False) -> Column:
+def _typed(field: Field, raw: Column, utc: bool) -> Column:
     """``utc``: the session's time zone is UTC."""
     kind = field.kind
     if kind == "timestamp":
@@ -166,7 +166,7 @@ def parse(raw: DataFrame, source: Source, *, barrier: bool = True) -> DataFrame:
 _UTC = {"UTC", "Etc/UTC", "GMT", "Etc/GMT", "Z", "+00:00"}  # (session time zones that are UTC)
 
 
-def _build(source: Source, columns: list[str], utc: bool = False) -> tuple[list[Column], ...]:
+def _build(source: Source, columns: list[str], utc: bool) -> tuple[list[Column], ...]:
     """The parse's column expressions (a few hundred nodes: built once per source and JVM, see ``columns``)."""
     schema = T.StructType(
         [T.StructField(f.name, T.StringType()) for f in source.fields] + [T.StructField(_CORRUPT, T.StringType())]
