@@ -339,3 +339,100 @@ def test_state_written_before_values_were_encoded_still_loads():
     assert r.duplicates == 1
     r = rt.process(KEY, r.state, [], T0 + 2, 0)
     assert r.outputs == [((Decimal("12.50"), at, "x"), [at], [(T0, Decimal("12.50"))])]
+
+
+# -- property: elements and timers in time order, whatever the function registers and deletes -----------------
+
+def _actions(kind: str, t: int, v: str) -> list[tuple[str, int]]:
+    """What the scripted function does with event-time timers when called (a pure function of the call):
+    registers ("+") or deletes ("-") timers around ``t`` (an element may set one in the past; a timer only
+    later ones, and only early on, so every chain ends)."""
+    rng = random.Random(f"{kind}/{t}/{v}")
+    offsets = [-2000, -1000, 0, 0, 1000, 2500, 4000] if kind == "element" else [1000, 2500, 4000]
+    if kind == "timer" and t > T0 + 30_000:
+        return []
+    return [("+" if rng.random() < 0.75 else "-", t + rng.choice(offsets)) for _ in range(rng.choice([0, 0, 1, 2, 3]))]
+
+
+class Scripted(KeyedProcessFunction):
+    def _do(self, ctx, kind, t, v):
+        timers = ctx.timer_service()
+        for op, ts in _actions(kind, t, v):
+            (timers.register_event_time_timer if op == "+" else timers.delete_event_time_timer)(ts)
+
+    def process_element(self, value, ctx):
+        self._do(ctx, "element", ctx.timestamp(), value.v)
+        yield ("element", ctx.timestamp(), value.v, None)
+
+    def on_timer(self, timestamp_ms, ctx):
+        self._do(ctx, "timer", timestamp_ms, "")
+        yield ("timer", timestamp_ms, None, None)
+
+
+def _expected_calls(arrivals: list[tuple[int, str, tuple]]) -> list[tuple]:
+    """The oracle: each id's first delivery, in (time, id) order; a timer goes before the elements of later times
+    and after those of its own; every timer fires in the end, in time order."""
+    first: dict[str, tuple] = {}
+    for t, i, row in arrivals:
+        first.setdefault(i, (t, i, row[0]))
+    elements = sorted(first.values())
+    timers: set[int] = set()
+    calls: list[tuple] = []
+
+    def act(kind, t, v):
+        for op, ts in _actions(kind, t, v):
+            (timers.add if op == "+" else timers.discard)(ts)
+
+    k = 0
+    while k < len(elements) or timers:
+        due = min(timers) if timers else None
+        if due is not None and (k == len(elements) or due < elements[k][0]):
+            timers.discard(due)
+            calls.append(("timer", due, None))
+            act("timer", due, "")
+        else:
+            t, _, v = elements[k]
+            k += 1
+            calls.append(("element", t, v))
+            act("element", t, v)
+    return calls
+
+
+def _arrivals(rng: random.Random) -> list[tuple[int, str, tuple]]:
+    """Up to 40 deliveries within 20 s (ties and re-deliveries included), in arrival order."""
+    out = []
+    for n in range(rng.randint(0, 40)):
+        if out and rng.random() < 0.15:
+            t, i, row = rng.choice(out)  # delivered again
+        else:
+            t, i, row = T0 + rng.randrange(0, 20_000, rng.choice([1, 500])), f"e{n}", (rng.choice("abcd"),)
+        out.append((t, i, row))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_elements_and_timers_reach_the_function_in_time_order_bounded_and_in_random_batches(seed):
+    rng = random.Random(seed)
+    arrivals = _arrivals(rng)
+    want = _expected_calls(arrivals)
+    rt = runtime(Scripted, ttl=timedelta(days=1))
+
+    got = rt.process(KEY, None, list(arrivals), 0, 0, bounded=True)
+    assert [o[:3] for o in got.outputs] == want
+    assert got.inputs == len(arrivals) and got.duplicates == len(arrivals) - len({i for _, i, _ in arrivals})
+
+    # The same deliveries as a stream, cut into random batches; each batch's watermark stays below the times
+    # of everything delivered in it and after it (nothing is late), and a last batch lets every timer fire.
+    cuts = sorted(rng.sample(range(len(arrivals) + 1), k=min(len(arrivals) + 1, rng.randint(1, 4))))
+    batches = [arrivals[a:b] for a, b in zip([0, *cuts], [*cuts, len(arrivals)])]
+    state, calls, watermark = None, [], T0 - 10_000
+    for n, batch in enumerate(batches):
+        later = [t for b in batches[n:] for t, _, _ in b]
+        watermark = max(watermark, rng.randint(watermark, min(later, default=T0 + 25_000) - 1))
+        r = rt.process(KEY, state, batch, watermark, 0)
+        assert not r.late
+        calls += [o[:3] for o in r.outputs]
+        state = r.state
+    r = rt.process(KEY, state, [], T0 + 3_600_000, 0)
+    calls += [o[:3] for o in r.outputs]
+    assert calls == want

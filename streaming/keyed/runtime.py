@@ -12,6 +12,7 @@ The Spark binding maps that wake-up onto Spark's group-state timeout.
 from __future__ import annotations
 
 import heapq
+import operator
 import pickle
 from array import array
 from collections import namedtuple
@@ -24,6 +25,7 @@ from .state import KeyStore, StoreHolder, codec
 
 STATE_FORMAT = 3  # 2: remembered ids packed (``_Seen``); 3: values of declared types encoded (``state.codec``); older formats load as they are
 _ID_SEP = "\x1f"
+_TIME_AND_ID = operator.itemgetter(0, 1)  # an element's order: (event time, dedup key)
 
 
 class _Seen:
@@ -195,21 +197,42 @@ class KeyedRuntime:
         self.timers.watermark_ms = NEG_INF_MS if bounded else watermark_ms
         limit = POS_INF_MS if bounded else watermark_ms
 
+        inputs = duplicates = 0
+        max_t = None
         arrived = False
-        for t, event_id, row in events:
-            result.inputs += 1
-            result.max_event_time_ms = t if result.max_event_time_ms is None else max(result.max_event_time_ms, t)
-            if event_id in seen:
-                result.duplicates += 1
-                continue
-            seen.add(event_id, max(t, watermark_ms if not bounded else t) + self.dedup_ttl_ms)
-            if not bounded and t <= watermark_ms:
-                result.late.append((t, event_id, row))
-                continue
-            buffer.append((t, event_id, row))
-            arrived = True
+        if bounded and not seen:
+            # A bounded run hands a key all its elements at once and keeps no state after it, so its ids are a
+            # plain set: nothing is late, nothing is forgotten before the end (see ``_finish``).
+            ids: set = set()
+            for element in events:
+                t, event_id = element[0], element[1]
+                inputs += 1
+                if max_t is None or t > max_t:
+                    max_t = t
+                if event_id in ids:
+                    duplicates += 1
+                    continue
+                ids.add(event_id)
+                buffer.append(element)
+            arrived = bool(ids)
+        else:
+            ttl = self.dedup_ttl_ms
+            for t, event_id, row in events:
+                inputs += 1
+                if max_t is None or t > max_t:
+                    max_t = t
+                if event_id in seen:
+                    duplicates += 1
+                    continue
+                seen.add(event_id, (t if bounded or t > watermark_ms else watermark_ms) + ttl)
+                if not bounded and t <= watermark_ms:
+                    result.late.append((t, event_id, row))
+                    continue
+                buffer.append((t, event_id, row))
+                arrived = True
+        result.inputs, result.duplicates, result.max_event_time_ms = inputs, duplicates, max_t
         if arrived:
-            buffer.sort(key=lambda e: (e[0], e[1]))
+            buffer.sort(key=_TIME_AND_ID)
 
         clock = self._advance(buffer, limit, result.outputs, None if decoded else self.decode)
         # The key's event-time clock from here on: the watermark (every element up to it has been
@@ -230,26 +253,43 @@ class KeyedRuntime:
         return result
 
     def _advance(self, buffer: list, limit: int, outputs: list, decode: Callable[[tuple], Sequence] | None) -> int:
-        """Deliver buffered elements and fire event-time timers up to ``limit``, in time order.
-        Returns the event-time clock reached (the last element or timer time)."""
+        """Deliver buffered elements and fire event-time timers up to ``limit``, in time order (a timer before
+        the elements of later times, after those of its own). Returns the event-time clock reached (the last
+        element or timer time)."""
         clock = NEG_INF_MS
-        i = 0
-        while True:
-            timer = self.timers.next_event_timer()
-            element = buffer[i] if i < len(buffer) and buffer[i][0] <= limit else None
-            if timer is not None and timer <= limit and (element is None or timer < element[0]):
-                ts = self.timers.pop_event_timer()
-                clock = max(clock, ts)
-                self._call(self.function.on_timer(ts, self._at(ts, EVENT_TIME)), outputs)
-            elif element is not None:
-                i += 1
-                clock = max(clock, element[0])
-                value = self.Event(*(decode(element[2]) if decode else element[2]))
-                self._call(self.function.process_element(value, self._at(element[0], EVENT_TIME)), outputs)
-            else:
+        timers, ctx, store = self.timers, self.ctx, self.holder.store
+        heap = timers._event_heap  # noqa: SLF001 - (a look at its head: most elements have no timer before them)
+        process_element, make, row_of, append = self.function.process_element, self.Event, self._row, outputs.append
+        i, n = 0, len(buffer)
+        while i < n:
+            t, _, row = buffer[i]
+            if t > limit:
                 break
+            if heap and heap[0] < t:
+                timer = timers.next_event_timer()  # (drops timers deleted since they were set)
+                if timer is not None and timer < t:
+                    clock = self._timer(timers.pop_event_timer(), clock, outputs)
+                    continue
+            i += 1
+            if t > clock:
+                clock = t
+            ctx.timestamp_ms = t
+            ctx.time_domain = EVENT_TIME
+            store.now_ms = t
+            produced = process_element(make(*(decode(row) if decode else row)), ctx)
+            if produced is not None:
+                for value in produced:
+                    append(row_of(value))
         del buffer[:i]
-        return clock
+        while True:  # the timers up to the limit that no element up to it comes before
+            timer = timers.next_event_timer()
+            if timer is None or timer > limit:
+                return clock
+            clock = self._timer(timers.pop_event_timer(), clock, outputs)
+
+    def _timer(self, ts: int, clock: int, outputs: list) -> int:
+        self._call(self.function.on_timer(ts, self._at(ts, EVENT_TIME)), outputs)
+        return ts if ts > clock else clock
 
     def _fire(self, ts: int, clock: int, outputs: list) -> None:
         """Fire processing-time timer ``ts``; state TTL still follows the event-time ``clock``."""
