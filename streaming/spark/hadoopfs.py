@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from .jvm import java_class
 
 
 def _local(path: str) -> str | None:
@@ -32,7 +33,7 @@ class HadoopFS:
         self._conf = spark._jsc.hadoopConfiguration()  # noqa: SLF001
 
     def _path(self, path: str):
-        return self._jvm.org.apache.hadoop.fs.Path(path)
+        return java_class(self._jvm, "org.apache.hadoop.fs.Path")(path)
 
     def _fs(self, path: str):
         return self._path(path).getFileSystem(self._conf)

@@ -6,6 +6,78 @@ nothing else. Where a call has a public equivalent of lesser speed, it falls bac
 from __future__ import annotations
 
 
+# py4j asks the JVM about a name every time Python reads one: ``sc._jvm.functions.col`` costs two round trips (the
+# class, then its member) before the call itself, and PySpark reads it so for every ``F.col``, ``F.lit`` and ``F.when``
+# and for every list of columns (``PythonUtils.toSeq``). A small stream batch made ~65 such reads per batch in its
+# planning after the statistics alone, ~70 ms of round trips (bench/HISTORY.md, 2026-11-29).
+_STATIC_CLASSES = ("functions", "PythonUtils", "PythonSQLUtils")
+
+
+class _StaticMethods:
+    """A Java class's static methods, each looked up once (py4j's own class object asks the JVM at every access)."""
+
+    def __init__(self, java_class):
+        self._java_class = java_class
+
+    def __getattr__(self, name):
+        from py4j.java_gateway import JavaMember
+
+        member = getattr(self._java_class, name)
+        if isinstance(member, JavaMember):  # (a method: the same object serves every later call, from any thread)
+            self.__dict__[name] = member
+        return member
+
+    def __call__(self, *args):  # (the constructor)
+        return self._java_class(*args)
+
+
+class _Functions(_StaticMethods):
+    """Spark's ``functions``, whose ``col`` also keeps the column of each name it made: a column is immutable, and
+    a small batch asked for the same ~40 names every time (one round trip each, and one more to release it)."""
+
+    _MAX_NAMES = 10_000  # (names a job builds from data would otherwise grow it without end)
+
+    def __init__(self, java_class):
+        super().__init__(java_class)
+        self._columns: dict[str, object] = {}
+        self._col = getattr(java_class, "col")
+
+    def col(self, name):
+        column = self._columns.get(name) if type(name) is str else None
+        if column is None:
+            column = self._col(name)
+            if type(name) is str and len(self._columns) < self._MAX_NAMES:
+                self._columns[name] = column
+        return column
+
+
+_CLASSES: dict[str, tuple[object, _StaticMethods]] = {}
+
+
+def java_class(jvm, fqn: str) -> _StaticMethods:
+    """The Java class named ``fqn`` (its constructor and static methods), found once per JVM view instead of a
+    package at a time at every use (``jvm.org.apache...`` is one round trip per dot)."""
+    found = _CLASSES.get(fqn)
+    if found is None or found[0] is not jvm:
+        from py4j.java_gateway import JavaClass
+
+        found = _CLASSES[fqn] = (jvm, _StaticMethods(JavaClass(fqn, jvm._gateway_client)))  # noqa: SLF001
+    return found[1]
+
+
+def remember_static_methods(spark) -> None:
+    """Make the JVM view PySpark calls through find the static methods of :data:`_STATIC_CLASSES` once per
+    process instead of at every call."""
+    jvm = spark.sparkContext._jvm  # noqa: SLF001
+    for name in _STATIC_CLASSES:
+        if isinstance(jvm.__dict__.get(name), _StaticMethods):
+            continue
+        try:
+            jvm.__dict__[name] = (_Functions if name == "functions" else _StaticMethods)(getattr(jvm, name))
+        except Exception:  # noqa: BLE001 - another Spark without this class: PySpark's lookups as they are
+            continue
+
+
 def clone_session(spark):
     """A copy of ``spark``'s session (settings, catalogs, temporary views), or ``spark`` itself when this
     Spark cannot clone one."""
@@ -35,7 +107,7 @@ def cached_leaf(frame):
         relation = found.get().cachedRepresentation()
         jvm = session._jvm  # noqa: SLF001
         try:
-            leaf = jvm.org.apache.spark.sql.Dataset.ofRows(jsession, relation)  # Spark 3.5
+            leaf = java_class(jvm, "org.apache.spark.sql.Dataset").ofRows(jsession, relation)  # Spark 3.5
         except Exception:  # noqa: BLE001
             leaf = jvm.org.apache.spark.sql.classic.Dataset.ofRows(jsession, relation)  # Spark 4
         return DataFrame(leaf, session)

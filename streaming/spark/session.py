@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from . import classarchive, localfs
-from .jvm import clone_session
+from .jvm import clone_session, remember_static_methods
 from ..errors import ConfigError, IcebergJarNotFoundError, JavaNotFoundError
 from ..settings import Settings
 
@@ -225,6 +225,7 @@ def active_session():
 def adopt(session) -> None:
     """Make ``session`` (built elsewhere, e.g. by dagster-pyspark) the process's one session."""
     global _SESSION
+    remember_static_methods(session)
     _SESSION = session
 
 
@@ -257,6 +258,7 @@ def get_spark(settings: Settings, *, record_classes: bool = True):
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
+    remember_static_methods(session)
     if recording:
         recording.watch()
     _SESSION = session
