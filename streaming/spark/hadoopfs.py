@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+
 from .jvm import java_class
 
 

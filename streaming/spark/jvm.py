@@ -22,6 +22,8 @@ class _StaticMethods:
     def __getattr__(self, name):
         from py4j.java_gateway import JavaMember
 
+        if name.startswith("_"):  # (our own attributes, and Python's protocols: not Java's)
+            raise AttributeError(name)
         member = getattr(self._java_class, name)
         if isinstance(member, JavaMember):  # (a method: the same object serves every later call, from any thread)
             self.__dict__[name] = member
