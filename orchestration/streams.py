@@ -393,6 +393,11 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
     rolled = threading.Timer(config.rollover_after_seconds, stop.set)
     if continuous:
         rolled.start()
+    # Until the step returns, a termination is a stop request too: one that lands just after the queries stopped
+    # for another reason (a savepoint asked them to, a rollover) is not an exception in the middle of the step's
+    # last log lines.
+    late_signals: list[str] = []
+    outer = _take_signals(late_signals, stop)
     try:
         # Dagster terminates a run with SIGINT (SIGTERM on a cluster). Taken as a stop request, it
         # never lands inside a Py4J call or an event-log write: the queries stop after their batch.
@@ -404,14 +409,27 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
                               tick=lambda query: reporters[query.name].tick(query), stop_together=True,
                               leases=leases)
     except BaseException:
+        _restore_signals(outer)
         if _terminating(context):  # interrupted before the stop request could be taken
             stopped_on_request()
             flush_all()
         raise
     finally:
         rolled.cancel()
-    flush_all()
-    signalled = next((r.signal for r in reports if r.signal), None)
+    try:
+        flush_all()
+        signalled = next((r.signal for r in reports if r.signal), None) or next(iter(late_signals), None)
+        if signalled is None and _terminating(context):  # terminated as the queries stopped: its signal is on its way
+            deadline = time.monotonic() + 5
+            while not late_signals and time.monotonic() < deadline:
+                time.sleep(0.05)
+            signalled = next(iter(late_signals), None)
+        _end_streams(context, config, settings, declared, reports, signalled, continuous, stop, stopped_on_request)
+    finally:
+        _restore_signals(outer)
+
+
+def _end_streams(context, config, settings, declared, reports, signalled, continuous, stop, stopped_on_request) -> None:
     batches = ", ".join(f"{r.job} after batch {r.last.batch_id if r.last else None}" for r in reports)
     if signalled is not None:  # terminated from the UI (or the process was asked to stop)
         if _terminating(context):
@@ -478,6 +496,29 @@ def streams_job(jobs: list[Job], partitions_def) -> dg.JobDefinition:
         run()
 
     return streams
+
+
+def _take_signals(received: list[str], stop: threading.Event) -> dict:
+    """Take SIGINT and SIGTERM as stop requests (recorded in ``received``) until :func:`_restore_signals`; returns
+    the handlers they replace (none outside the main thread, where signals cannot be handled)."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def take(signum, _frame):
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
+    return {sig: signal.signal(sig, take) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_signals(previous: dict) -> None:
+    import signal
+
+    while previous:
+        sig, handler = previous.popitem()
+        signal.signal(sig, handler)
 
 
 def _terminating(context: dg.OpExecutionContext) -> bool:

@@ -712,3 +712,28 @@ def test_durations_are_seconds_the_run_config_checks_and_a_restart_reads_an_olde
             "mode": "continuous", "trigger_interval_seconds": 5.0, "materialize_every_seconds": 0.0,
             "rollover_after_seconds": 7200.0, "max_files_per_trigger": 0, "from_savepoint": ""}
         dg.validate_run_config(stream, config)
+
+
+def test_a_termination_after_the_queries_stopped_is_still_a_stop_request_not_an_interrupt():
+    """A savepoint stops a stream's queries and Dagster's termination lands a moment later, while the step writes its
+    last log lines: the step takes it as the stop request it is (no KeyboardInterrupt), and puts the handlers back."""
+    import os
+    import signal
+    import threading
+
+    from orchestration.streams import _restore_signals, _take_signals
+
+    before = signal.getsignal(signal.SIGINT)
+    received: list[str] = []
+    stop = threading.Event()
+    outer = _take_signals(received, stop)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(100):
+            if received:
+                break
+            threading.Event().wait(0.01)
+    finally:
+        _restore_signals(outer)
+    assert received == ["SIGINT"] and stop.is_set()
+    assert signal.getsignal(signal.SIGINT) is before
