@@ -268,9 +268,13 @@ def get_spark(settings: Settings, *, record_classes: bool = True):
 # A stream's landing files are read with these settings, in a copy of the session (the session's other
 # queries keep Spark's defaults). Spark divides a batch's bytes by the cores after adding each file's
 # opening cost (4 MB by default), so one 8.8 MB file was read as 6.4 + 2.4 MB on 2 cores: the parse of a
-# 50k-line batch waited ~0.15 s for its larger half. With a small opening cost the halves are even, and
-# a batch of many small files is still packed into about one split per core.
-STREAM_READ_CONF = {"spark.sql.files.openCostInBytes": str(64 * 1024)}
+# 50k-line batch waited ~0.15 s for its larger half. With a small opening cost the halves are even. The cost
+# must still be at least a small file's size: Spark packs files into a split until the next one would pass
+# the per-core share, so with files larger than the opening cost an odd number of them makes one split more
+# than there are cores (7 files of 95 KB on 2 cores: 3 + 3 + 1, the last one a second wave of tasks, ~0.1 s
+# of a small batch). 128 KB keeps both: a 5k events/s feed's files in one split per core, a large file's
+# halves within 1 %.
+STREAM_READ_CONF = {"spark.sql.files.openCostInBytes": str(128 * 1024)}
 # ... and write local files through ``localfs`` (no forked ``chmod`` per file) when the class is on the
 # driver's class path. Hadoop caches one file system per scheme for the whole JVM, so the stream's
 # session asks for its own instances.
