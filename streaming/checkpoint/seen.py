@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
+from ..spark import pyworkers
+
 IDLE_SECONDS = 1800  # an index not asked for this long (its stream stopped) is dropped
 SEEN_SCHEMA = "_h1 long, _h2 long"
 
@@ -183,6 +185,7 @@ def _remembered(store: str, files: list[tuple[str, str]], watermark_ms: int, opt
                 batches: Iterator) -> Iterator:
     import pandas as pd
 
+    pyworkers.prepare()
     with _LOCK:
         index = index_for(store)
         live = index.update(files, lambda path: read_ids(path, options))

@@ -17,6 +17,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from ..spark import pyworkers
 from ..spark.columns import once, select
 from ..declaration import Field, Source
 from .sources.base import SOURCE
@@ -276,6 +277,7 @@ def with_csv_header(raw: DataFrame, source: Source) -> DataFrame:
     from pyspark.sql.functions import pandas_udf
 
     def headers(files):
+        pyworkers.prepare()
         lines, names = [], []
         for path in files:
             if path not in _HEADERS:

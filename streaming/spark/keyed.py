@@ -25,7 +25,6 @@ import json
 import pickle
 import time
 import warnings
-import zipimport
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
@@ -40,6 +39,7 @@ from pyspark.sql.streaming.state import GroupStateTimeout
 from ..keyed import files as keys
 from ..declaration import KeyedJob
 from ..errors import DeclarationError
+from . import pyworkers
 from .jvm import parse_ddl
 from ..keyed.function import PROCESSING_TIME
 from ..keyed.runtime import KeyedRuntime
@@ -86,30 +86,6 @@ def key_buckets(record_buckets: int | None, has_record: bool, shuffle_partitions
     if has_record:
         return LEGACY_KEY_BUCKETS
     return BUCKETS_PER_PARTITION * max(1, shuffle_partitions)
-
-
-def _keep_zip_directories() -> None:
-    """Before every task PySpark's worker calls ``importlib.invalidate_caches()``, and on Python 3.11
-    every ``zipimporter`` then re-reads its archive's directory. The worker's path holds pyspark.zip,
-    py4j's zip and Spark's core jar (thousands of entries): 75 ms of every Python task on this machine,
-    40 % of the Python workers' time in a keyed latency run. The archives do not change while a worker
-    runs, so their directories are kept."""
-    zipimport.zipimporter.invalidate_caches = _keep_directory
-
-
-def _keep_directory(self) -> None:
-    return None
-
-
-def _freeze_heap() -> None:
-    """Once per Python worker: move what the worker has loaded (pyspark, pandas, pyarrow, the job) out
-    of the garbage collector's sight. PySpark's worker runs a full ``gc.collect()`` after every task, and
-    each one walked that whole heap: 40 % of the Python workers' samples in a keyed latency run. Frozen
-    objects are still freed when their last reference goes; only cycles among them would stay."""
-    if getattr(gc, "_lakestream_frozen", False):
-        return
-    gc.freeze()
-    gc._lakestream_frozen = True
 
 
 FILE = "_lakestream_file"  # an event's landing file and original fields, carried past the transform (``_Carrying``)
@@ -608,8 +584,7 @@ def stream_frame(job: KeyedJob, parsed: DataFrame, buckets: int, labels: tuple[i
     processing = job.timers == PROCESSING_TIME
 
     def process(key, pdfs: Iterator[pd.DataFrame], state):
-        _keep_zip_directories()
-        _freeze_heap()
+        pyworkers.prepare()
         # A bucket's call builds and drops many small objects (state, rows); the worker's collection after
         # the task reclaims any cycle, so automatic collections in between would only re-walk live state.
         gc.disable()
@@ -663,7 +638,7 @@ def bounded_frame(job: KeyedJob, parsed: DataFrame) -> DataFrame:
     started_ms = int(time.time() * 1000)
 
     def process(key, pdf: pd.DataFrame) -> pd.DataFrame:
-        _keep_zip_directories()
+        pyworkers.prepare()
         if pd.isna(key[0]):
             return adapter.quarantine(pdf)
         return adapter.process_bucket(pdf, None, 0, started_ms, bounded=True)

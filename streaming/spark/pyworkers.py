@@ -10,13 +10,47 @@ This daemon drops, before anything is imported from them, the archives the worke
 (no Python module lives there) and PySpark's and py4j's zips when the same PySpark is installed as a directory
 (a PySpark installed with pip ships both: ``$SPARK_HOME`` is the installed package). Then it runs PySpark's daemon,
 whose workers it forks inherit the path. A Spark distribution whose PySpark exists only as the zip keeps it.
+
+Every function lakestream runs in the workers (``mapInPandas``, ``applyInPandas``, pandas UDFs) calls
+:func:`prepare` first, for what the daemon cannot do before a worker has loaded its modules.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.machinery
 import os
 import sys
+import zipimport
+
+
+def prepare() -> None:
+    """Once per worker (a worker is reused task after task), at the top of a function Spark runs in it."""
+    keep_zip_directories()
+    freeze_heap()
+
+
+def keep_zip_directories() -> None:
+    """Where the daemon could not drop an archive (a PySpark that exists only as its zip, or a worker not forked
+    by this daemon), its directory is kept instead of read again before every task: the archives do not change
+    while a worker runs."""
+    zipimport.zipimporter.invalidate_caches = _keep_directory
+
+
+def _keep_directory(self) -> None:
+    return None
+
+
+def freeze_heap() -> None:
+    """Move what the worker has loaded (pyspark, pandas, pyarrow, the job) out of the garbage collector's sight.
+    PySpark's worker runs a full ``gc.collect()`` after every task, and each one walked that whole heap: 40 % of
+    the Python workers' samples in a keyed latency run, 54 % in a windowed one (the lookup of remembered ids,
+    ~70 ms of CPU per batch at 5k events/s). Frozen objects are still freed when their last reference goes;
+    only cycles among them would stay."""
+    if getattr(gc, "_lakestream_frozen", False):
+        return
+    gc.freeze()
+    gc._lakestream_frozen = True
 
 
 def _archive(entry: str) -> bool:

@@ -25,6 +25,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from ...errors import ConfigError, DateRangeError, DeclarationError
+from ...spark import pyworkers
 from ..parse import ARRIVAL, PROBLEM
 from .base import SOURCE, SourceKind, arrival
 
@@ -161,6 +162,7 @@ def _parquet_reader(storage_options: dict):
     reads each file through fsspec: local disks, and object stores with the settings' storage options)."""
 
     def records(batches):
+        pyworkers.prepare()
         for batch in batches:
             for path, arrived in zip(batch["path"], batch[ARRIVAL]):
                 for frame in _file_records(path, storage_options):
