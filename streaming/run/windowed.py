@@ -65,7 +65,7 @@ class WindowedHandler(Handler):
                       self.storage_options)
         batch = plan_batch(job, raw, watermark_in_ms=w_in, store=store, batch_id=batch_id,
                            lines_before=previous.stats.lines if previous is not None else None)
-        stored = quarantined = None
+        stored = quarantined = lated = None
         compaction = None
         before: dict[str, str | None] = {}
         try:
@@ -87,24 +87,25 @@ class WindowedHandler(Handler):
                 spark.conf.set("spark.sql.adaptive.enabled", "true")
             t = timed("parse + stats", t)
             commit = self.commit(batch_id, w_out)
-            # Three strands overlap: the quarantine's commit (it reads nothing but the cached lines) starts
-            # now; the store's write once the batch's events are planned; the late rows, the fired windows
-            # and their commits on this thread. None of them reads what another adds.
-            pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"batch-{job.name}")
+            # Four strands overlap: the quarantine's commit (it reads nothing but the cached lines) starts
+            # now; the late rows' commit once they are planned (before the firing: in a small batch the late
+            # table's commit was the last to end); the store's write once the firing is planned; the fired
+            # windows and their commit on this thread. None of them reads what another adds.
+            pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix=f"batch-{job.name}")
             quarantined = pool.submit(lambda: self.write(
                 [Output(self.sinks.quarantine[s], batch.quarantine(s, commit.id, batch_id), n)
                  for s, n in batch.quarantined_by_source.items()],
                 commit, batch_id))
+            late = None
+            if batch.may_be_late():  # only a batch with events behind the watermark has late rows: counted as written
+                late = Output(self.sinks.late, batch.late(), None, span="window_start",
+                              expected=batch.late_candidates() * job.window.windows_per_event)
+                lated = pool.submit(self.write, [late], commit, batch_id)
             fired = batch.fire(w_out)
             stored = pool.submit(store.write, batch_id, fired.store)
             pool.shutdown(wait=False)
             t = timed("plan", t)
             outputs = []
-            late = None
-            if batch.may_be_late():  # only a batch with events behind the watermark has late rows: counted as written
-                late = Output(self.sinks.late, batch.late(), None, span="window_start",
-                              expected=batch.late_candidates() * job.window.windows_per_event)
-                outputs.append(late)
             written = deleted = 0
             main = None
             if fired.rows is not None and not (job.upserts or forced) and OP not in fired.rows.columns \
@@ -131,6 +132,8 @@ class WindowedHandler(Handler):
             tables = self.write(outputs, commit, batch_id)
             if main is not None:
                 written = main.rows or 0
+            if lated is not None:
+                tables.update(lated.result())
             n_late = late.rows or 0 if late is not None else 0
             tables.update(quarantined.result())
             t = timed("commits", t)
@@ -151,7 +154,7 @@ class WindowedHandler(Handler):
                     self.state.save_forced_ranges(self._forced_ranges)
             timed("store + record", t)
         finally:
-            for strand in (quarantined, stored, compaction):  # a failure elsewhere: let the others end first
+            for strand in (quarantined, lated, stored, compaction):  # a failure elsewhere: let the others end first
                 if strand is not None:
                     strand.exception()
             restore(spark, before)
