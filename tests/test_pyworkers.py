@@ -68,7 +68,7 @@ def test_the_zip_of_another_spark_distribution_and_foreign_archives_stay(tmp_pat
 
 
 _PREPARED = r"""
-import gc, sys, zipimport
+import gc, zipimport
 import pandas as pd
 from streaming.checkpoint.seen import lookup
 {call}
@@ -83,8 +83,9 @@ def _prepared_after(call: str, tmp_path) -> tuple[int, str]:
 
     script = tmp_path / "worker.py"
     script.write_text(_PREPARED.format(call=call))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(__file__))).stdout.split()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, env=env).stdout.split()
     return int(out[0]), out[1]
 
 

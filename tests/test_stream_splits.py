@@ -25,6 +25,7 @@ def _write(folder, files: int, lines: int) -> None:
 def _streams(spark):
     """The stream's session, planning splits for 2 cores (this machine's, and CI's) wherever the test runs."""
     streams = stream_session(spark, Settings.load())
+    assert streams is not spark, "a stream's session is a copy (its settings must not reach the shared session)"
     streams.conf.set("spark.sql.leafNodeDefaultParallelism", "2")
     return streams
 
