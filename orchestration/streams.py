@@ -36,7 +36,7 @@ from pydantic import Field
 from streaming.checkpoint.lease import pid_start_of
 from streaming.declaration import Job, late_count
 from streaming.run.commit import BatchResult
-from streaming.run.runner import run_streams
+from streaming.run.runner import restore_signals, run_streams, take_signals
 from streaming.time import describe_watermark, format_duration, is_finite, parse_duration
 from streaming.io.tables import job_sinks
 
@@ -397,7 +397,7 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
     # for another reason (a savepoint asked them to, a rollover) is not an exception in the middle of the step's
     # last log lines.
     late_signals: list[str] = []
-    outer = _take_signals(late_signals, stop)
+    outer = take_signals(late_signals, stop)
     try:
         # Dagster terminates a run with SIGINT (SIGTERM on a cluster). Taken as a stop request, it
         # never lands inside a Py4J call or an event-log write: the queries stop after their batch.
@@ -409,7 +409,7 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
                               tick=lambda query: reporters[query.name].tick(query), stop_together=True,
                               leases=leases)
     except BaseException:
-        _restore_signals(outer)
+        restore_signals(outer)
         if _terminating(context):  # interrupted before the stop request could be taken
             stopped_on_request()
             flush_all()
@@ -426,7 +426,7 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
             signalled = next(iter(late_signals), None)
         _end_streams(context, config, settings, declared, reports, signalled, continuous, stop, stopped_on_request)
     finally:
-        _restore_signals(outer)
+        restore_signals(outer)
 
 
 def _end_streams(context, config, settings, declared, reports, signalled, continuous, stop, stopped_on_request) -> None:
@@ -496,29 +496,6 @@ def streams_job(jobs: list[Job], partitions_def) -> dg.JobDefinition:
         run()
 
     return streams
-
-
-def _take_signals(received: list[str], stop: threading.Event) -> dict:
-    """Take SIGINT and SIGTERM as stop requests (recorded in ``received``) until :func:`_restore_signals`; returns
-    the handlers they replace (none outside the main thread, where signals cannot be handled)."""
-    import signal
-
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def take(signum, _frame):
-        received.append(signal.Signals(signum).name)
-        stop.set()
-
-    return {sig: signal.signal(sig, take) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _restore_signals(previous: dict) -> None:
-    import signal
-
-    while previous:
-        sig, handler = previous.popitem()
-        signal.signal(sig, handler)
 
 
 def _terminating(context: dg.OpExecutionContext) -> bool:

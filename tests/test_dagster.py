@@ -721,12 +721,12 @@ def test_a_termination_after_the_queries_stopped_is_still_a_stop_request_not_an_
     import signal
     import threading
 
-    from orchestration.streams import _restore_signals, _take_signals
+    from streaming.run.runner import restore_signals, take_signals
 
     before = signal.getsignal(signal.SIGINT)
     received: list[str] = []
     stop = threading.Event()
-    outer = _take_signals(received, stop)
+    outer = take_signals(received, stop)
     try:
         os.kill(os.getpid(), signal.SIGINT)
         for _ in range(100):
@@ -734,6 +734,6 @@ def test_a_termination_after_the_queries_stopped_is_still_a_stop_request_not_an_
                 break
             threading.Event().wait(0.01)
     finally:
-        _restore_signals(outer)
+        restore_signals(outer)
     assert received == ["SIGINT"] and stop.is_set()
     assert signal.getsignal(signal.SIGINT) is before

@@ -177,6 +177,23 @@ def _stop_on_signal(received: list[str], stop: threading.Event, signum: int, _fr
     stop.set()
 
 
+def take_signals(received: list[str], stop: threading.Event) -> dict:
+    """Take SIGINT and SIGTERM as stop requests (their names recorded in ``received``, ``stop`` set) until
+    :func:`restore_signals`; returns the handlers they replace (none outside the main thread, where signals
+    cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, functools.partial(_stop_on_signal, received, stop))
+            for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def restore_signals(previous: dict) -> None:
+    """Put back the handlers :func:`take_signals` replaced (each once, however often this is called)."""
+    while previous:
+        sig, handler = previous.popitem()
+        signal.signal(sig, handler)
+
+
 def run_stream(spark, settings: Settings, job: Job, *, available_now: bool,
                progress: ProgressFn | None = print_progress, stop_event: threading.Event | None = None,
                install_signal_handlers: bool = True, fault: FaultFn | None = None,
@@ -239,10 +256,7 @@ def run_streams(
     held: list[Lease] = []
     reports: list[StreamReport] = []
     received: list[str] = []  # the signals that asked to stop
-    previous = {}
-    if install_signal_handlers and threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, functools.partial(_stop_on_signal, received, stop))
+    previous = take_signals(received, stop) if install_signal_handlers else {}
     try:
         for job in jobs:  # every lease first: a refusal changes nothing
             held.append(take_lease(spark, settings, job, (leases or {}).get(job.name)))
@@ -294,8 +308,7 @@ def run_streams(
             lease.release()
         for r in started:
             r.report.signal = received[0] if received else None
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_signals(previous)
         if tick is not None:
             for r in started:
                 tick(r.query)
