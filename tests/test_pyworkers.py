@@ -98,3 +98,90 @@ def test_the_lookup_of_remembered_ids_keeps_the_workers_heap_out_of_each_tasks_c
     frozen, hook = _prepared_after(f"list(lookup('/nowhere', [], 0, {{}})(iter([{batch}])))", tmp_path)
     assert frozen > 10_000, frozen
     assert hook == "_keep_directory"
+
+
+def _worker_socket(batches):
+    import socket
+
+    nodelay = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        try:
+            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
+                try:
+                    s.getpeername()  # (connected: the JVM's end, not a listener)
+                except OSError:
+                    continue
+                nodelay.append(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        finally:
+            s.close()
+    n = sum(len(b) for b in batches)
+    yield pd.DataFrame({"rows": [n], "nodelay": [",".join(map(str, nodelay))]})
+
+
+def test_python_tasks_run_in_the_daemons_worker_that_sends_and_acknowledges_at_once(spark):
+    """The JVM's write of a task's function and data waited on the worker's delayed acknowledgement of its header
+    (40 ms per Python task, both sides idle: ``pyworkers.worker``). The daemon's own ``worker`` runs every task: its
+    socket to the JVM has Nagle's algorithm off, and every row still arrives (several tasks per worker, reused)."""
+    if not os.path.isdir("/proc/self/fd"):
+        import pytest
+
+        pytest.skip("needs /proc to find the worker's sockets")
+    for _ in range(3):  # (workers are reused from task to task)
+        rows = spark.range(0, 30_000, 1, 2).mapInPandas(_worker_socket, "rows long, nodelay string").collect()
+        assert sum(r.rows for r in rows) == 30_000
+        for r in rows:
+            assert r.nodelay and set(r.nodelay.split(",")) == {"1"}, r.nodelay
+
+
+def _fails(batches):
+    for b in batches:
+        if len(b):
+            raise ValueError("a function that fails in its worker")
+    yield pd.DataFrame({"id": []})
+
+
+def test_a_failing_python_task_reports_its_error_and_the_next_task_runs(spark):
+    import pytest
+    from pyspark.errors import PythonException
+
+    with pytest.raises(PythonException, match="a function that fails in its worker"):
+        spark.range(10, numPartitions=1).mapInPandas(_fails, "id long").collect()
+    assert spark.range(1000, numPartitions=2).mapInPandas(lambda bs: (b for b in bs), "id long").count() == 1000
+
+
+def test_the_acknowledging_reader_returns_every_byte_and_leaves_the_socket_open():
+    """A reader over a real TCP connection, written in pieces of many sizes (the JVM's header, then the rest):
+    the bytes read are the bytes sent, and closing the reader does not close the socket a reused worker reads
+    its next task from."""
+    import io
+    import random
+    import socket
+    import threading
+
+    from streaming.spark.pyworkers import Acknowledging
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    sender = socket.create_connection(listener.getsockname())
+    receiver, _ = listener.accept()
+    rng = random.Random(7)
+    pieces = [rng.randbytes(rng.choice([1, 7, 2769, 30_242, 70_000, 300_000])) for _ in range(40)]
+    sent = b"".join(pieces)
+    writer = threading.Thread(target=lambda: [sender.sendall(p) for p in pieces])
+    writer.start()
+    reader = io.BufferedReader(Acknowledging(receiver), 65536)
+    got = bytearray()
+    while len(got) < len(sent):
+        got += reader.read(min(len(sent) - len(got), rng.choice([4, 8, 1000, 65536, 200_000])))
+    writer.join()
+    assert bytes(got) == sent
+    reader.close()
+    sender.sendall(b"next task")
+    assert receiver.recv(100) == b"next task"
+    for s in (sender, receiver, listener):
+        s.close()

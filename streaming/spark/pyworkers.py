@@ -11,6 +11,13 @@ This daemon drops, before anything is imported from them, the archives the worke
 (a PySpark installed with pip ships both: ``$SPARK_HOME`` is the installed package). Then it runs PySpark's daemon,
 whose workers it forks inherit the path. A Spark distribution whose PySpark exists only as the zip keeps it.
 
+It also acknowledges what the JVM sends at once (:func:`worker`). For each Python task the JVM writes a short
+header, flushes it, then writes the rest (the function, the data) on a socket without ``TCP_NODELAY``: Nagle's
+algorithm holds the rest until the header is acknowledged, and the worker's kernel delays that acknowledgement by
+40 ms (Linux's minimum), since the worker has nothing to send back yet. So every Python task waited 40 ms with both
+sides idle: a fixed cost of every lookup of remembered ids and every keyed function's task. Spark 3.5 offers no
+setting for it (Spark 4 can use Unix sockets instead).
+
 Every function lakestream runs in the workers (``mapInPandas``, ``applyInPandas``, pandas UDFs) calls
 :func:`prepare` first, for what the daemon cannot do before a worker has loaded its modules.
 """
@@ -19,7 +26,10 @@ from __future__ import annotations
 
 import gc
 import importlib.machinery
+import io
 import os
+import signal
+import socket
 import sys
 import zipimport
 
@@ -72,14 +82,84 @@ def trimmed(path: list[str]) -> list[str]:
     return [p for p in path if p not in dropped]
 
 
+class Acknowledging(io.RawIOBase):
+    """The reading side of a worker's socket that acknowledges each read at once (``TCP_QUICKACK``: sends an
+    acknowledgement the kernel was holding back, which releases the JVM's next write). Closing it leaves the socket
+    open: a reused worker reads its next task from it."""
+
+    def __init__(self, sock: socket.socket):
+        super().__init__()
+        self.sock = sock
+
+    def readable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def readinto(self, buffer) -> int:
+        n = self.sock.recv_into(buffer)
+        quick_ack(self.sock)
+        return n
+
+
+def quick_ack(sock: socket.socket) -> None:
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+    except (OSError, AttributeError):  # (not TCP, or no TCP_QUICKACK on this system)
+        pass
+
+
+def worker(sock: socket.socket, authenticated: bool) -> int:
+    """One task in a forked worker: PySpark's ``daemon.worker`` (Spark 3.5), with the socket read through
+    :class:`Acknowledging` and written without Nagle's delay (the worker writes its results in one flush)."""
+    from pyspark.daemon import compute_real_exit_code
+    from pyspark.serializers import UTF8Deserializer, write_with_length
+    from pyspark.worker import main as worker_main
+
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (a stack trace on SIGINT, for debugging)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass
+    buffer_size = int(os.environ.get("SPARK_BUFFER_SIZE", 65536))
+    infile = io.BufferedReader(Acknowledging(sock), buffer_size)
+    outfile = os.fdopen(os.dup(sock.fileno()), "wb", buffer_size)
+    if not authenticated:
+        secret = UTF8Deserializer().loads(infile)
+        ok = os.environ["PYTHON_WORKER_FACTORY_SECRET"] == secret
+        write_with_length(b"ok" if ok else b"err", outfile)
+        outfile.flush()
+        if not ok:
+            sock.close()
+            return 1
+    code = 0
+    try:
+        worker_main(infile, outfile)
+    except SystemExit as exc:
+        code = compute_real_exit_code(exc.code)
+    finally:
+        try:
+            outfile.flush()
+        except Exception:
+            pass
+    return code
+
+
 def main() -> None:
     kept = trimmed(sys.path)
     for entry in set(sys.path) - set(kept):
         sys.path_importer_cache.pop(entry, None)
     sys.path[:] = kept
-    from pyspark.daemon import manager
+    import pyspark
+    import pyspark.daemon
 
-    manager()
+    if pyspark.__version__.startswith("3.5."):  # (:func:`worker` is Spark 3.5's; another version keeps its own)
+        pyspark.daemon.worker = worker  # (the manager forks and calls ``worker`` by its module's name)
+    pyspark.daemon.manager()
 
 
 if __name__ == "__main__":
