@@ -126,7 +126,7 @@ def _worker_socket(batches):
 
 def test_python_tasks_run_in_the_daemons_worker_that_sends_and_acknowledges_at_once(spark):
     """The JVM's write of a task's function and data waited on the worker's delayed acknowledgement of its header
-    (40 ms per Python task, both sides idle: ``pyworkers.worker``). The daemon's own ``worker`` runs every task: its
+    (40 ms for a task with little data, both sides idle: ``pyworkers``). The daemon's own ``worker`` runs every task: its
     socket to the JVM has Nagle's algorithm off, and every row still arrives (several tasks per worker, reused)."""
     if not os.path.isdir("/proc/self/fd"):
         import pytest

@@ -14,9 +14,10 @@ whose workers it forks inherit the path. A Spark distribution whose PySpark exis
 It also acknowledges what the JVM sends at once (:func:`worker`). For each Python task the JVM writes a short
 header, flushes it, then writes the rest (the function, the data) on a socket without ``TCP_NODELAY``: Nagle's
 algorithm holds the rest until the header is acknowledged, and the worker's kernel delays that acknowledgement by
-40 ms (Linux's minimum), since the worker has nothing to send back yet. So every Python task waited 40 ms with both
-sides idle: a fixed cost of every lookup of remembered ids and every keyed function's task. Spark 3.5 offers no
-setting for it (Spark 4 can use Unix sockets instead).
+40 ms (Linux's minimum), since the worker has nothing to send back yet. So a task with little data waited 40 ms
+with both sides idle: the lookup of remembered ids, in every batch of a windowed stream (a keyed function's tasks,
+with more data than a segment, which Nagle does not hold, waited less). Spark 3.5 offers no setting for it (Spark 4
+can use Unix sockets instead).
 
 Every function lakestream runs in the workers (``mapInPandas``, ``applyInPandas``, pandas UDFs) calls
 :func:`prepare` first, for what the daemon cannot do before a worker has loaded its modules.
@@ -103,10 +104,15 @@ class Acknowledging(io.RawIOBase):
         return n
 
 
+_QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # (Linux's; elsewhere reads acknowledge as the system does)
+
+
 def quick_ack(sock: socket.socket) -> None:
+    if _QUICKACK is None:
+        return
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
-    except (OSError, AttributeError):  # (not TCP, or no TCP_QUICKACK on this system)
+        sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
+    except OSError:  # (not a TCP socket)
         pass
 
 
