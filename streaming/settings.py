@@ -9,6 +9,7 @@ Precedence (highest first): environment variables, the YAML file, defaults.
 ``LAKESTREAM_SPARK_MASTER``    Spark master URL (default ``local[*]``)
 ``LAKESTREAM_ICEBERG_JAR``     path of the Iceberg Spark runtime jar (default: the bundled wheel)
 ``LAKESTREAM_FORMAT``          table format of every sink: ``iceberg`` (default) or ``delta``
+``LAKESTREAM_SNAPSHOT_RETENTION`` / ``LAKESTREAM_EXPIRE_EVERY``  ``iceberg.snapshot_retention`` / ``iceberg.expire_every``
 ``LAKESTREAM_PROJECT``         the user project: a folder (Python package) of sources and jobs, or a module
 ``LAKESTREAM_DEBUG``           ``1``: the CLI shows the whole trace of an error instead of one line
 ``LAKESTREAM_CACHE``           where lakestream keeps what it builds once per machine (default
@@ -53,6 +54,8 @@ YAML keys (all optional)::
       jar: /opt/jars/iceberg-spark-runtime-3.5_2.12-1.10.2.jar
       packages: org.apache.iceberg:iceberg-spark-runtime-3.5_2.12:1.10.2   # only if set
       properties: {io-impl: org.apache.iceberg.aws.s3.S3FileIO}
+      snapshot_retention: 1d            # a stream expires its own tables' older snapshots (not savepoints')
+      expire_every: 15m                 # at most this often
     jobs:
       purchase_metrics:
         out_of_orderness: 10s
@@ -103,6 +106,11 @@ class IcebergSettings:
     jar: str | None = None
     packages: str | None = None
     properties: Mapping[str, str] = field(default_factory=dict)
+    # A stream expires the snapshots of the tables only it writes (its main and late tables) older than this, at
+    # most once per ``expire_every`` (docs/design-snapshot-expiry.md). A table's own property
+    # ``history.expire.max-snapshot-age-ms`` wins; snapshots a savepoint recorded are tagged and kept.
+    snapshot_retention: timedelta = timedelta(days=1)
+    expire_every: timedelta = timedelta(minutes=15)
 
 
 @dataclass(frozen=True)
@@ -190,6 +198,10 @@ class Settings:
                 jar=env.get("LAKESTREAM_ICEBERG_JAR") or ice.get("jar"),
                 packages=ice.get("packages"),
                 properties={str(k): str(v) for k, v in _mapping(ice.get("properties"), "iceberg.properties").items()},
+                snapshot_retention=_positive(env.get("LAKESTREAM_SNAPSHOT_RETENTION") or ice.get("snapshot_retention", "1d"),
+                                             "iceberg.snapshot_retention", "how long a stream keeps its tables' snapshots; e.g. 1d"),
+                expire_every=parse_duration(env.get("LAKESTREAM_EXPIRE_EVERY") or ice.get("expire_every", "15m"),
+                                            field="iceberg.expire_every"),
             ),
             format=_format(env.get("LAKESTREAM_FORMAT") or data.get("format") or "iceberg", "format"),
             delta_engine=engine,
@@ -249,6 +261,13 @@ def _default_cache(env: Mapping[str, str] | None = None) -> Path:
         return Path(env["LAKESTREAM_CACHE"]).expanduser()
     base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "lakestream"
+
+
+def _positive(text, name: str, what: str) -> timedelta:
+    value = parse_duration(text, field=name)
+    if value <= timedelta(0):
+        raise ConfigError(f"{name} must be positive ({what}), got {text!r}")
+    return value
 
 
 def _seconds(text: str, name: str) -> float:

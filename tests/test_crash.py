@@ -129,8 +129,11 @@ def _killed_again_and_again(home: Path, tmp_path: Path, job: str, points: list[s
 def _home(tmp_path: Path, warehouse: Path, fmt: str, job: str) -> Path:
     home = tmp_path / "home"
     home.mkdir()
+    # Snapshots expire after every batch (a retention of a millisecond): a replayed batch must still find the
+    # commits it made before the kill.
     (home / "lakestream.yaml").write_text(
         f"warehouse: {warehouse}\nformat: {fmt}\nspark: {{shuffle_partitions: 2}}\n"
+        f"iceberg: {{snapshot_retention: 1ms, expire_every: 0s}}\n"
         f"jobs: {{{job}: {{max_files_per_trigger: 1, trigger_interval: 300ms}}}}\n"
     )
     return home

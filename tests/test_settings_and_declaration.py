@@ -51,6 +51,8 @@ def test_yaml_then_environment_override_and_reach_spark_conf(tmp_path):
         ("spark: [1, 2]\n", "'spark' must be a mapping"),
         ("spark: {shuffle_partitions: 0}\n", "at least 1"),
         ("a: [\n", "not valid YAML"),
+        ("iceberg: {snapshot_retention: 0s}\n", "iceberg.snapshot_retention must be positive"),
+        ("iceberg: {expire_every: often}\n", "iceberg.expire_every"),
     ],
 )
 def test_bad_settings_name_the_problem(tmp_path, text, phrase):

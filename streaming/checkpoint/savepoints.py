@@ -40,7 +40,7 @@ from ..spark.jvm import hadoop_copy
 from .layout import Layout, commit_app_id, numbered, offset_sources, query_id
 from .lease import Lease
 from ..settings import Settings
-from ..io.sinks import sink_for
+from ..io.sinks import IcebergSink, sink_for
 from .records import EngineState
 from ..io.tables import table_roles
 
@@ -120,8 +120,34 @@ class Savepoints:
 
     def delete(self, savepoint_id: str) -> Savepoint:
         savepoint = self.get(savepoint_id)
+        self._release_versions(savepoint)
         self.fs.delete(savepoint.path)
         return savepoint
+
+    def _keep_versions(self, job: Job, savepoint_id: str, versions: dict) -> dict[str, str]:
+        """Tag the Iceberg snapshots the savepoint records for its job's own tables, so that the stream's snapshot
+        expiry keeps them (``{table: tag}``). A shared table's version is a note (it is not restored)."""
+        tags = {}
+        tag = f"lakestream-savepoint-{savepoint_id}"
+        for table, role, _ in table_roles(job):
+            version = versions.get(table.name)
+            sink = sink_for(self.spark, self.settings, table, job.name)
+            if role == "quarantine" or version is None:
+                continue
+            if sink.tag(version, tag):
+                if sink.format == "iceberg":
+                    tags[table.name] = tag
+            else:
+                self.say(f"  {table.name} no longer has version {version}: this savepoint cannot restore it")
+        return tags
+
+    def _release_versions(self, savepoint: Savepoint) -> None:
+        """Drop the savepoint's tags (its snapshots then expire like any other)."""
+        for table, tag in (savepoint.manifest.get("tags") or {}).items():
+            try:
+                IcebergSink(self.spark, Table(table)).untag(tag)
+            except Exception as exc:  # noqa: BLE001 - a tag left behind keeps one snapshot; say so, go on
+                self.say(f"  could not drop tag {tag} of {table} ({str(exc).splitlines()[0][:200]}); drop it by hand")
 
     def prune(self, job: str, keep: int) -> list[str]:
         """Delete all but the newest ``keep`` savepoints of ``job``; returns the deleted ids."""
@@ -129,6 +155,7 @@ class Savepoints:
             raise SavepointError(f"--keep must be at least 1, got {keep}")
         old = self.list(job)[:-keep]
         for savepoint in old:
+            self._release_versions(savepoint)
             self.fs.delete(savepoint.path)
         return [s.id for s in old]
 
@@ -158,6 +185,7 @@ class Savepoints:
                 self.fs.delete(transient)
             manifest = self._manifest(job, savepoint_id, checkpoint, record, batch_id, now,
                                       sequence=1 + max((_order(s)[0] for s in previous), default=0))
+            manifest["tags"] = self._keep_versions(job, savepoint_id, manifest["tables"])
             self.fs.write_text(f"{path}/{MANIFEST}", json.dumps(manifest, indent=1))
         finally:
             lease.release()

@@ -18,6 +18,7 @@ each kind of job is in ``run/windowed.py`` and ``run/keyed.py``.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,8 @@ from ..spark.hadoopfs import HadoopFS
 from ..spark.metrics import observe, observed_if_any
 from .faults import FaultFn
 from ..io.tables import JobSinks
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ class Handler:
         self._replay_known = False
         self.records: Records | None = None
         self.state: EngineState | None = None
+        self.expiry: SnapshotExpiry | None = None  # set by the runner: a stream expires its own tables' snapshots
 
     def _start(self, spark) -> None:
         """Once per run: the query id, the restore epoch, and which batch Spark may be replaying."""
@@ -150,6 +154,15 @@ class Handler:
         if not self._replay_known:  # (as a last resort: the batch in flight may then be taken for a replay)
             self._replay = self.state.replay_candidate()
         self._started = True
+
+    def begin(self, spark, batch_id: int) -> None:
+        """At a batch's start: the run's setup (:meth:`_start`), then the expiry of old snapshots when due. Here
+        every batch before this one is recorded by Spark and by us, and this one has committed nothing yet: each
+        commit a replay may look up is newer than the expiry. A batch that may itself be a replay (whose commits
+        from before a crash are in the tables) does not expire."""
+        self._start(spark)
+        if self.expiry is not None and batch_id != self._replay:
+            self.expiry.maybe_run()
 
     def before_start(self, spark, resuming: bool) -> None:
         """Called before the query starts: the one batch Spark may replay is the one an earlier run planned and did
@@ -231,6 +244,39 @@ class Handler:
         report.batch_done.set()
         if self.progress and visible:
             self.progress(report.last)
+
+
+class SnapshotExpiry:
+    """A stream's expiry of the snapshots of the tables only its job writes (docs/design-snapshot-expiry.md):
+    at a batch's start (see ``Handler.begin``), at most once per ``every_s`` (the first time ``every_s`` after the
+    run's start). A shared table (a source's quarantine) and a table another job reads as its source are left alone.
+    Housekeeping: a failure is logged, the stream goes on."""
+
+    def __init__(self, sinks: list, retention_ms: int, every_s: float, say: Callable[[str], None] | None = None):
+        self.sinks = sinks
+        self.retention_ms = retention_ms
+        self.every_s = every_s
+        self.say = say
+        self.last = time.monotonic()
+        self.runs = 0
+        self.expired = 0
+
+    def maybe_run(self) -> None:
+        if time.monotonic() - self.last < self.every_s:
+            return
+        self.last = time.monotonic()
+        self.runs += 1
+        for sink in self.sinks:
+            try:
+                before, after = sink.expire(self.retention_ms)
+            except Exception as exc:  # noqa: BLE001 - housekeeping must not stop the stream
+                log.warning("could not expire the snapshots of %s (%s); they stay until the next try",
+                            sink.table.name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                continue
+            self.expired += before - after
+            if before > after and self.say:
+                self.say(f"{sink.table.name}: expired {before - after:,} snapshot(s) older than the retention, "
+                              f"{after:,} kept")
 
 
 # Settings a small batch's own plans run with (after the plan Spark made for the batch), put back when

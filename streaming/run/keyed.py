@@ -32,7 +32,7 @@ class KeyedHandler(Handler):
         spark = frame.sparkSession
         started = t = time.perf_counter()
         timed = self.report.timed
-        self._start(spark)
+        self.begin(spark, batch_id)
         job = self.job
         previous = self.previous(batch_id)
         before: dict[str, str | None] = {}

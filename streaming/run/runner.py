@@ -22,7 +22,7 @@ from ..declaration import Job, KeyedJob
 from ..time import describe_watermark, format_duration
 from ..io.sources import kind_of, stream_all
 from ..errors import ConfigError
-from .commit import BatchResult, FaultFn, ProgressFn, StreamReport
+from .commit import BatchResult, FaultFn, ProgressFn, SnapshotExpiry, StreamReport
 from .keyed import KeyedHandler
 from .windowed import WindowedHandler
 from ..spark.hadoopfs import HadoopFS
@@ -40,6 +40,23 @@ def print_progress(result: BatchResult) -> None:
         + f"; watermark {describe_watermark(s.watermark_out_ms)} ({result.seconds:.1f}s)",
         flush=True,
     )
+
+
+def snapshot_expiry(settings: Settings, job: Job, sinks, say=None) -> SnapshotExpiry | None:
+    """The expiry of the snapshots of ``job``'s own Iceberg tables (main, late) during its stream; none of a table
+    that a job of the project reads as its source (its stream's offsets name snapshots of it)."""
+    try:
+        from ..project import registry
+
+        read = {t.lower() for j in registry(settings).values() for src in j.sources
+                for t in [kind_of(src).upstream_table(src)] if t}
+    except Exception:  # noqa: BLE001 - the project's jobs unknown here: expire nothing rather than guess
+        return None
+    own = [s for s in (sinks.main, sinks.late) if s.format == "iceberg" and s.table.name.lower() not in read]
+    if not own:
+        return None
+    return SnapshotExpiry(own, int(settings.iceberg.snapshot_retention.total_seconds() * 1000),
+                          settings.iceberg.expire_every.total_seconds(), say=say)
 
 
 def raw_stream(spark, settings: Settings, job: Job) -> DataFrame:
@@ -82,6 +99,7 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
         handler = WindowedHandler(job, checkpoint, sinks, progress, report, fault, lease,
                                   store_schemas=store_schemas(spark, job), storage_options=settings.storage_options)
     handler.before_start(spark, resuming)
+    handler.expiry = snapshot_expiry(settings, job, sinks, say=(lambda text: print(text, flush=True)) if progress else None)
     writer = stream.writeStream.queryName(job.name).option("checkpointLocation", checkpoint).foreachBatch(handler)
     interval = trigger_interval(settings, job)
     if available_now and not _polls(job) and not _paced_tables(settings, job):

@@ -51,7 +51,7 @@ class WindowedHandler(Handler):
                        "org.apache.spark.sql.execution.adaptive.AQEPropagateEmptyRelation")
         # A collect with a limit (the repeated ids) reads every partition in one job, not one and then the rest.
         spark.conf.set("spark.sql.limit.initialNumPartitions", "1000")
-        self._start(spark)
+        self.begin(spark, batch_id)
         self._fault("batch-start", batch_id)
         job = self.job
         previous = self.previous(batch_id)

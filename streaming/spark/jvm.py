@@ -209,6 +209,24 @@ def with_iceberg_commit_properties(spark, properties: dict[str, str], fn) -> Non
         raise run.error
 
 
+def expire_iceberg_snapshots(spark, table_name: str, default_retention_ms: int) -> tuple[int, int]:
+    """Expire the snapshots of Iceberg table ``table_name`` older than its ``history.expire.max-snapshot-age-ms``
+    (``default_retention_ms`` when it has none), keeping its ``history.expire.min-snapshots-to-keep`` newest and every
+    snapshot a branch or tag refers to; the files only they referenced are deleted. Returns the snapshots before and
+    after."""
+    import time
+
+    jvm = spark._jvm  # noqa: SLF001 - Iceberg's table API (Spark's procedure plans a Spark job for it)
+    table = java_class(jvm, "org.apache.iceberg.spark.Spark3Util").loadIcebergTable(spark._jsparkSession, table_name)  # noqa: SLF001
+    count = java_class(jvm, "org.apache.iceberg.relocated.com.google.common.collect.Iterables").size
+    before = count(table.snapshots())
+    age = table.properties().get("history.expire.max-snapshot-age-ms")
+    retention_ms = int(age) if age is not None else default_retention_ms
+    table.expireSnapshots().expireOlderThan(int(time.time() * 1000) - retention_ms).commit()
+    table.refresh()
+    return before, count(table.snapshots())
+
+
 def estimated_bytes(frame) -> int | None:
     """The size Spark's optimizer estimates for ``frame`` (for a micro-batch of files: their bytes), or None when
     it has no estimate. Costs an optimisation of the plan, not a job."""

@@ -329,6 +329,18 @@ class DeltaRsSink:
         later = [h["version"] for h in self._dt().history() if later_batch(h.get(COMMIT_KEY), app_id, batch_id)]
         return min(later) - 1 if later else self.version()
 
+    def expire(self, retention_ms: int) -> tuple[int, int]:
+        """Nothing to do: delta-rs's post-commit hook writes a checkpoint every ``delta.checkpointInterval`` versions
+        and removes log files older than ``delta.logRetentionDuration``, so the log a commit reads stays flat."""
+        return 0, 0
+
+    def tag(self, version: int, name: str) -> bool:
+        """Delta has no tags: a version stays loadable while its log files do (``delta.logRetentionDuration``)."""
+        return self.has_version(version)
+
+    def untag(self, name: str) -> None:
+        return None
+
     def has_version(self, version: int) -> bool:
         """Whether version ``version`` can still be loaded (its log and files not cleaned up)."""
         from deltalake import DeltaTable

@@ -21,7 +21,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from ...declaration import Table
-from ...spark.jvm import with_iceberg_commit_properties
+from ...spark.jvm import expire_iceberg_snapshots, with_iceberg_commit_properties
 from .base import COMMIT_KEY, OP, Commit, later_batch, with_retries
 
 DAY_MS = 86_400_000
@@ -238,6 +238,25 @@ class IcebergSink:
             "WHERE summary['lakestream.watermark-ms'] IS NOT NULL ORDER BY committed_at DESC LIMIT 1"
         ).collect()
         return int(row[0].w) if row else None
+
+    # -- snapshots ------------------------------------------------------------------------
+    def expire(self, retention_ms: int) -> tuple[int, int]:
+        """Expire snapshots older than the table's retention (``retention_ms`` unless the table sets its own);
+        tagged ones stay. Returns the snapshots before and after."""
+        if not self.exists():
+            return 0, 0
+        return with_retries(self.table, lambda: expire_iceberg_snapshots(self.spark, self.table.name, retention_ms))
+
+    def tag(self, version: int, name: str) -> bool:
+        """Keep snapshot ``version`` past expiry under tag ``name``; False when the table no longer has it."""
+        if not self.has_version(version):
+            return False
+        self.spark.sql(f"ALTER TABLE {self.table.name} CREATE OR REPLACE TAG `{name}` AS OF VERSION {int(version)}")
+        return True
+
+    def untag(self, name: str) -> None:
+        if self.exists():
+            self.spark.sql(f"ALTER TABLE {self.table.name} DROP TAG IF EXISTS `{name}`")
 
     # -- SQL with commit properties ------------------------------------------------------
     def _sql_with(self, frame: DataFrame, statement: str, properties: Mapping[str, str]) -> None:
