@@ -50,6 +50,16 @@ def drop_job_tables(spark, namespaces: tuple[str, ...] = NAMESPACES) -> None:
                 spark.sql(f"DROP TABLE IF EXISTS lake.{namespace}.{row.tableName} PURGE")
 
 
+def scratch_namespace(spark, name: str):
+    """A namespace of the ``lake`` catalog for one test's own tables, emptied after it (a generator for a fixture;
+    each test file its own name: files run on different workers at once)."""
+    namespace = f"lake.{name}"
+    spark.sql(f"CREATE NAMESPACE IF NOT EXISTS {namespace}")
+    yield namespace
+    for row in spark.sql(f"SHOW TABLES IN {namespace}").collect():
+        spark.sql(f"DROP TABLE IF EXISTS {namespace}.{row.tableName} PURGE")
+
+
 def settings_for(home: Path) -> Settings:
     """Settings for a lake home at ``home``, on the session's shared warehouse."""
     return _with_warehouse(Settings.load({"LAKESTREAM_HOME": str(home / "lake")}), _WAREHOUSE[0])

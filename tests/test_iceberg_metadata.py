@@ -12,6 +12,7 @@ import pytest
 from pyspark.sql import types as T
 
 from streaming.declaration import Table
+from tests.conftest import scratch_namespace
 from streaming.io.sinks import IcebergSink
 from streaming.io.sinks.iceberg import METADATA_RETENTION
 
@@ -21,10 +22,7 @@ KEPT = int(METADATA_RETENTION["write.metadata.previous-versions-max"])
 
 @pytest.fixture
 def namespace(spark):
-    spark.sql("CREATE NAMESPACE IF NOT EXISTS lake.metadata_test")
-    yield "lake.metadata_test"
-    for row in spark.sql("SHOW TABLES IN lake.metadata_test").collect():
-        spark.sql(f"DROP TABLE IF EXISTS lake.metadata_test.{row.tableName} PURGE")
+    yield from scratch_namespace(spark, "metadata_test")
 
 
 def _metadata_files(spark, name: str) -> list[Path]:

@@ -12,37 +12,29 @@ from dataclasses import replace
 from datetime import timedelta
 
 import pytest
-from pyspark.sql import types as T
 
 from streaming.declaration import Table
+from tests.conftest import scratch_namespace
 from streaming.io.sinks import IcebergSink, sink_for
 from streaming.io.tables import all_tables
 from streaming.checkpoint.savepoints import Savepoints
 from streaming.project import get_job
 from streaming.run.runner import run_stream
 from tests import oracle
+from tests.test_iceberg_metadata import SCHEMA, _append
 from tests.test_purchase_metrics import table_windows
 from tests.test_savepoints import JOB, K, _arrive, _run, _staged
 
-SCHEMA = T.StructType([T.StructField("n", T.IntegerType())])
 MAIN, LATE, QUARANTINE = "lake.payments.purchase_metrics", "lake.payments.purchase_metrics_late", "lake.quarantine.payments"
 
 
 @pytest.fixture
 def namespace(spark):
-    spark.sql("CREATE NAMESPACE IF NOT EXISTS lake.expiry_test")
-    yield "lake.expiry_test"
-    for row in spark.sql("SHOW TABLES IN lake.expiry_test").collect():
-        spark.sql(f"DROP TABLE IF EXISTS lake.expiry_test.{row.tableName} PURGE")
+    yield from scratch_namespace(spark, "expiry_test")
 
 
 def _snapshots(spark, name: str) -> list[int]:
     return [r.snapshot_id for r in spark.sql(f"SELECT snapshot_id FROM {name}.snapshots ORDER BY committed_at").collect()]
-
-
-def _append(spark, name: str, values) -> None:
-    for n in values:
-        spark.createDataFrame([(n,)], SCHEMA).writeTo(name).append()
 
 
 def test_expiry_keeps_the_current_the_tagged_and_the_young_snapshots_and_every_row(spark, namespace):

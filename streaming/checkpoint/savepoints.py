@@ -131,9 +131,9 @@ class Savepoints:
         tag = f"lakestream-savepoint-{savepoint_id}"
         for table, role, _ in table_roles(job):
             version = versions.get(table.name)
-            sink = sink_for(self.spark, self.settings, table, job.name)
             if role == "quarantine" or version is None:
                 continue
+            sink = sink_for(self.spark, self.settings, table, job.name)
             if sink.tag(version, tag):
                 if sink.format == "iceberg":
                     tags[table.name] = tag

@@ -258,14 +258,11 @@ class SnapshotExpiry:
         self.every_s = every_s
         self.say = say
         self.last = time.monotonic()
-        self.runs = 0
-        self.expired = 0
 
     def maybe_run(self) -> None:
         if time.monotonic() - self.last < self.every_s:
             return
         self.last = time.monotonic()
-        self.runs += 1
         for sink in self.sinks:
             try:
                 before, after = sink.expire(self.retention_ms)
@@ -273,7 +270,6 @@ class SnapshotExpiry:
                 log.warning("could not expire the snapshots of %s (%s); they stay until the next try",
                             sink.table.name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
                 continue
-            self.expired += before - after
             if before > after and self.say:
                 self.say(f"{sink.table.name}: expired {before - after:,} snapshot(s) older than the retention, "
                               f"{after:,} kept")
