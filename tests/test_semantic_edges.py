@@ -201,16 +201,31 @@ def test_a_re_delivery_stamped_with_another_event_time_counts_once_where_it_firs
     assert sorted(later.main.user_id) == ["u2"] and int(later.main.events.sum()) == 1, "only e5 counts there"
 
 
-@pytest.mark.parametrize("limit", [None, 1], ids=["filtered", "too-many-joined"])
-def test_a_whole_file_delivered_again_in_a_later_batch_counts_once(spark, lake_home, monkeypatch, limit):
+@pytest.mark.parametrize("limit, driver_lines, large", [(None, None, False), (1, None, False), (None, 0, False),
+                                                        (None, None, True), (None, 0, True)],
+                         ids=["filtered", "too-many-joined", "too-many-lines-joined", "large-filtered", "large-joined"])
+def test_a_whole_file_delivered_again_in_a_later_batch_counts_once(spark, lake_home, monkeypatch, limit, driver_lines,
+                                                                   large):
     """An operator drops yesterday's file into the landing folder again, under a new name: every id of that batch
-    is remembered. A batch finds its remembered ids in its statistics job and filters them out; more of them than
-    it filters (``limit``) go through the store's lookup joined with the events instead. Either way each event
-    counts once, as in the plain-Python oracle."""
+    is remembered. A batch's statistics job brings its ids' hashes, the driver finds the remembered ones, and the
+    events are filtered; more of them than it filters (``limit``), or a batch with more lines than come to the
+    driver (``driver_lines``, and bytes for a large one), go through the executors' lookup joined with the events instead. A batch expected to
+    be large (``large``) brings its ids with their deliveries, and the driver finds its repeats too. Either way each
+    event counts once, as in the plain-Python oracle."""
     import streaming.windowed.batch as windowed_batch
 
+    if large:  # (these batches are small: make them count as large)
+        monkeypatch.setattr(windowed_batch, "LARGE_BATCH_BYTES", 0)
+        monkeypatch.setattr(windowed_batch, "INTERPRETED_BATCH_LINES", 0)
     if limit is not None:
         monkeypatch.setattr(windowed_batch, "MAX_REPEATS", limit)
+    if driver_lines is not None:
+        monkeypatch.setattr(windowed_batch, "DRIVER_LOOKUP_LINES", driver_lines)
+        monkeypatch.setattr(windowed_batch, "DRIVER_LOOKUP_BYTES", driver_lines)
+    joined = []  # the batches whose events joined the executors' lookup
+    remembered = windowed_batch.WindowedBatch._remembered
+    monkeypatch.setattr(windowed_batch.WindowedBatch, "_remembered",
+                        lambda self, events: (lambda got: joined.append(got is not None) or got)(remembered(self, events)))
     first = [p(1, 1 * MIN, "u1", "7.00"), p(2, 2 * MIN, "u2"), p(3, 3 * MIN, "u1", "2.50")]
     batches = [first, [p(4, 4 * MIN, "u2")], [*first, p(5, 6 * MIN, "u3")], [p(9, 60 * MIN, "u9")]]
     window = Tumbling(timedelta(minutes=5))
@@ -219,3 +234,4 @@ def test_a_whole_file_delivered_again_in_a_later_batch_counts_once(spark, lake_h
                            key=lambda e: e["user_id"], measure=measure)
     assert table == {k: (v["window_end"], v["events"], v["amount"]) for k, v in truth.table.items()}
     assert table[("u1", T0)][1] == 2 and not late
+    assert any(joined) == (limit is not None or driver_lines is not None), "the batch with remembered ids took its path"

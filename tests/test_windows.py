@@ -352,6 +352,9 @@ def test_ids_delivered_again_within_a_batch_count_once_and_the_first_line_wins(s
     find = streaming.windowed.batch.WindowedBatch._find_repeats
     monkeypatch.setattr(streaming.windowed.batch.WindowedBatch, "_find_repeats",
                         lambda self, lines: found_in_stats.append(self.expect_large) or find(self, lines))
+    both = streaming.windowed.batch.WindowedBatch._repeats_and_remembered  # (with remembered ids: on the driver)
+    monkeypatch.setattr(streaming.windowed.batch.WindowedBatch, "_repeats_and_remembered",
+                        lambda self, lines: found_in_stats.append(self.expect_large) or both(self, lines))
     job = job_for(Tumbling(timedelta(minutes=5)), timedelta(0))
     batches = [
         # e1 three times, the same line; e2 twice, differing in amount; e3 once; e4 again in the next batch

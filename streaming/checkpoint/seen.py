@@ -16,7 +16,9 @@ and dropped once they are as many as the live ones. A worker's memory is about 3
 (``dedup_ttl`` times the event rate); a worker that starts afresh reads the live files once.
 
 Runs on the executors (``mapInPandas``), so nothing is collected to the driver but the remembered ids of
-the batch. Each store (checkpoint) has its own index; an index not asked for ``IDLE_SECONDS`` is dropped.
+the batch; or, for a batch of ordinary size, on the driver over the batch's hashes (:func:`remembered_on_driver`:
+one Python task less in the batch's statistics job). Each store (checkpoint) has its own index per process; an
+index not asked for ``IDLE_SECONDS`` is dropped.
 """
 
 from __future__ import annotations
@@ -173,6 +175,16 @@ def read_ids(path: str, storage_options: Mapping[str, Any]) -> tuple[np.ndarray,
 
     table = pa.concat_tables(tables)
     return tuple(table.column(c).to_numpy().astype(np.int64, copy=False) for c in ("_h1", "_h2", "_expires_ms"))
+
+
+def remembered_on_driver(store: str, files: list[tuple[str, str]], watermark_ms: int, storage_options: Mapping[str, Any],
+                         h1: np.ndarray, h2: np.ndarray) -> np.ndarray:
+    """Whether each id is remembered, looked up in this (the driver's) process's index of ``store``: for a batch
+    whose ids' hashes are few enough to come to the driver (the same index and answer as :func:`lookup`'s)."""
+    with _LOCK:
+        index = index_for(f"driver:{store}")
+        live = index.update(files, lambda path: read_ids(path, storage_options))
+        return index.remembered(h1, h2, int(watermark_ms), live)
 
 
 def lookup(store: str, files: list[tuple[str, str]], watermark_ms: int, storage_options: Mapping[str, Any]):
