@@ -354,6 +354,11 @@ class WindowedBatch:
             self._repeats = (h1[again].tolist(), h2[again].tolist(), kept[again].tolist())
         else:
             self._repeats = None
+        self._remembered_by_driver(h1, h2)
+
+    def _remembered_by_driver(self, h1: np.ndarray, h2: np.ndarray) -> None:
+        """The driver's lookup of the batch's ids (``seen.remembered_on_driver``): the remembered ones, to filter the
+        events by; left unknown when more than ``MAX_REPEATS`` (the events join the executors' lookup instead)."""
         found = remembered_on_driver(self.store.layout.store, self.store.id_files(), self.watermark_in_ms,
                                      self.store.storage_options, h1, h2)
         if int(found.sum()) <= MAX_REPEATS:
@@ -373,10 +378,7 @@ class WindowedBatch:
         flat = row["_hashes"]
         if flat is not None:
             pairs = np.asarray(flat, dtype=np.int64).reshape(-1, 2)
-            found = remembered_on_driver(self.store.layout.store, self.store.id_files(), self.watermark_in_ms,
-                                         self.store.storage_options, pairs[:, 0], pairs[:, 1])
-            if int(found.sum()) <= MAX_REPEATS:
-                self._remembered_found = (pairs[found, 0].tolist(), pairs[found, 1].tolist())
+            self._remembered_by_driver(pairs[:, 0], pairs[:, 1])
         return row
 
     def repeats(self) -> tuple[list[int], list[int], list[int]] | None:
