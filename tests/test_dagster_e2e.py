@@ -422,7 +422,13 @@ def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partitio
         ticked = servers.gql('{ runsOrError(filter: {pipelineName: "savepoint_before_deploy"}) { ... on Runs { '
                              "results { runId tags { key value } } } } }")["runsOrError"]["results"]
     assert ticked, (servers.root / "daemon.log").read_text()[-3000:]
-    servers.gql("mutation($s: ScheduleSelector!) { resetSchedule(scheduleSelector: $s) { __typename } }", selector)
+    # Stopped at once, and checked: a later tick would stop the stream again while the test terminates it (a reset
+    # to the code's default did not stop the ticks of a schedule started from the UI: CI at 2e4b4db).
+    state = servers.gql("query($s: ScheduleSelector!) { scheduleOrError(scheduleSelector: $s) { ... on Schedule { "
+                        "scheduleState { id } } } }", selector)["scheduleOrError"]["scheduleState"]
+    stopped = servers.gql("mutation($id: String!) { stopRunningSchedule(id: $id) { __typename ... on ScheduleStateResult "
+                          "{ scheduleState { status } } ... on PythonError { message } } }", {"id": state["id"]})
+    assert stopped["stopRunningSchedule"].get("scheduleState", {}).get("status") == "STOPPED", stopped
     assert {"key": "dagster/schedule_name", "value": "savepoint_before_deploy_schedule"} in ticked[0]["tags"]
     assert servers.wait_run(ticked[0]["runId"], timeout=300) == "SUCCESS", servers.run_log(ticked[0]["runId"])
     assert "purchase_metrics: savepoint " in servers.run_log(ticked[0]["runId"], last=200)
@@ -436,6 +442,9 @@ def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partitio
         time.sleep(2)
     assert "purchase_metrics batch" in servers.run_log(resumed, last=200), servers.run_log(resumed)
     run_id = resumed
+    savepoints = servers.gql('{ runsOrError(filter: {pipelineName: "savepoint_before_deploy"}) { ... on Runs { '
+                             "results { runId } } } }")["runsOrError"]["results"]
+    assert len(savepoints) == 1, f"the stopped schedule launched {len(savepoints)} savepoint runs"
 
     terminated = servers.gql("mutation($id: String!) { terminateRun(runId: $id, terminatePolicy: SAFE_TERMINATE) "
                              "{ __typename } }", {"id": run_id})["terminateRun"]
