@@ -390,7 +390,8 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
             DesiredState(context.instance, name).set("stopped", reason="terminated", run_id=context.run_id)
 
     stop = threading.Event()
-    rolled = threading.Timer(config.rollover_after_seconds, stop.set)
+    rolled_over = threading.Event()  # (set with ``stop`` by the rollover; a savepoint's stop request sets ``stop`` alone)
+    rolled = threading.Timer(config.rollover_after_seconds, lambda: (rolled_over.set(), stop.set()))
     if continuous:
         rolled.start()
     # Until the step returns, a termination is a stop request too: one that lands just after the queries stopped
@@ -424,12 +425,14 @@ def _run_streams(context: dg.OpExecutionContext, declared: list[Job], config, fr
             while not late_signals and time.monotonic() < deadline:
                 time.sleep(0.05)
             signalled = next(iter(late_signals), None)
-        _end_streams(context, config, settings, declared, reports, signalled, continuous, stop, stopped_on_request)
+        _end_streams(context, config, settings, declared, reports, signalled, continuous, stop, stopped_on_request,
+                     rolled_over.is_set())
     finally:
         restore_signals(outer)
 
 
-def _end_streams(context, config, settings, declared, reports, signalled, continuous, stop, stopped_on_request) -> None:
+def _end_streams(context, config, settings, declared, reports, signalled, continuous, stop, stopped_on_request,
+                 rolled_over: bool = False) -> None:
     batches = ", ".join(f"{r.job} after batch {r.last.batch_id if r.last else None}" for r in reports)
     if signalled is not None:  # terminated from the UI (or the process was asked to stop)
         if _terminating(context):
@@ -442,9 +445,12 @@ def _end_streams(context, config, settings, declared, reports, signalled, contin
             return
         context.log.info(f"{signalled} received; stopped {batches}")
         raise dg.DagsterExecutionInterruptedError(f"interrupted ({signalled}); stopped {batches}")
-    if continuous and stop.is_set():
+    if continuous and rolled_over:
         context.log.info(f"rolled over after {format_duration(timedelta(seconds=config.rollover_after_seconds))}; "
                          "the supervisor starts the next run")
+    elif continuous and stop.is_set():
+        context.log.info("stopped on a stop request (a savepoint or a restore of one of its jobs); the supervisor "
+                         "starts the next run once it is done")
     for report in reports:
         s = report.stats
         if report.totals is not None:
