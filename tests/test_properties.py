@@ -147,3 +147,34 @@ def test_the_late_side_output_law_and_the_twin_over_random_ranges_hold_for_rando
             ranged.release()
         want = {k: (v["events"], v["amount"]) for k, v in oracle.items() if lo <= k[1] < hi}
         assert got == want, (lo - T0, hi - T0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_drivers_first_deliveries_are_the_first_to_arrive_of_each_repeated_id(seed, monkeypatch):
+    """``first_deliveries`` (a batch's repeated ids found on the driver) against a plain-Python oracle: random ids
+    with few or many repeats, ties of arrival broken by the line number, and the limit past which it gives up."""
+    import numpy as np
+
+    import streaming.windowed.batch as batch
+
+    rng = random.Random(seed)
+    n = rng.choice([0, 1, 5, 200, 3000])
+    ids = rng.choice([3, 50, 10**6])
+    lines = [(rng.randrange(ids), rng.randrange(-3, 3), rng.choice([0, rng.randrange(5)]), tag)
+             for tag in rng.sample(range(10**9), n)]
+    h1 = np.array([i for i, _, _, _ in lines], dtype=np.int64)
+    h2 = np.array([i * 7 + b for i, b, _, _ in lines], dtype=np.int64)  # (pairs: an h1 shared by several h2)
+    arrival = np.array([a for _, _, a, _ in lines], dtype=np.int64)
+    tag = np.array([t for _, _, _, t in lines], dtype=np.int64)
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for x1, x2, a, t in zip(h1.tolist(), h2.tolist(), arrival.tolist(), tag.tolist()):
+        groups.setdefault((x1, x2), []).append((a, t))
+    want = {k: min(v)[1] for k, v in groups.items() if len(v) > 1}
+    limit = rng.choice([len(want), max(0, len(want) - 1), 10_000])
+    monkeypatch.setattr(batch, "MAX_REPEATS", limit)
+    got = batch.first_deliveries(h1, h2, arrival, tag)
+    if len(want) > limit:
+        assert got is None
+    else:
+        assert got is not None
+        assert {(a, b): k for a, b, k in zip(*got)} == want

@@ -336,25 +336,27 @@ def test_a_backfill_whose_transform_reads_fields_it_drops_keeps_them_for_it(spar
 def test_ids_delivered_again_within_a_batch_count_once_and_the_first_line_wins(spark, lake_home, monkeypatch,
                                                                                 small, max_repeats, by_size):
     """A stream's batch drops repeats within it by their hashes, without a shuffle, keeping the first line
-    of an id; with more repeated ids than it filters (``MAX_REPEATS``), or in a small batch, it uses
-    ``dropDuplicates``, which keeps one line of each, any. A batch expected to be large (after a large one, or
-    by the size of its input files) finds its repeats in its statistics job."""
+    of an id; with more repeated ids than it filters (``MAX_REPEATS``) it numbers each id's deliveries instead.
+    A batch of ordinary size finds its repeats on the driver, from the ids its statistics job brings; a batch
+    expected to be large (after a large one, or by the size of its input files) in its statistics job too."""
     import streaming.windowed.batch
 
     monkeypatch.setattr(streaming.windowed.batch, "MAX_REPEATS", max_repeats)
-    if not by_size:  # (the first batch is not known to be large: it finds its repeats in a job of its own)
+    if not by_size:  # (the first batch is not known to be large)
         monkeypatch.setattr(streaming.windowed.batch, "LARGE_BATCH_BYTES", 10**15)
     else:
         monkeypatch.setattr(streaming.windowed.batch, "LARGE_BATCH_BYTES", 0)
-    if small is not None:  # (these batches are small: make them count as large)
+    if small is not None:  # (these batches are small: make the batches after the first count as large)
         monkeypatch.setattr(streaming.windowed.batch, "INTERPRETED_BATCH_LINES", small)
-    found_in_stats = []  # a batch after a large one finds its repeats in its statistics job
+    paths = []  # where each batch found its repeats
     find = streaming.windowed.batch.WindowedBatch._find_repeats
     monkeypatch.setattr(streaming.windowed.batch.WindowedBatch, "_find_repeats",
-                        lambda self, lines: found_in_stats.append(self.expect_large) or find(self, lines))
+                        lambda self, lines: paths.append("stats" if self.expect_large else "job") or find(self, lines))
     both = streaming.windowed.batch.WindowedBatch._repeats_and_remembered  # (with remembered ids: on the driver)
     monkeypatch.setattr(streaming.windowed.batch.WindowedBatch, "_repeats_and_remembered",
-                        lambda self, lines: found_in_stats.append(self.expect_large) or both(self, lines))
+                        lambda self, lines: paths.append("stats") or both(self, lines))
+    ordinary = streaming.windowed.batch.first_deliveries
+    monkeypatch.setattr(streaming.windowed.batch, "first_deliveries", lambda *a: paths.append("driver") or ordinary(*a))
     job = job_for(Tumbling(timedelta(minutes=5)), timedelta(0))
     batches = [
         # e1 three times, the same line; e2 twice, differing in amount; e3 once; e4 again in the next batch
@@ -371,11 +373,12 @@ def test_ids_delivered_again_within_a_batch_count_once_and_the_first_line_wins(s
     assert report.stats.duplicates == 6 and report.stats.events == 8
     assert late == [] == truth.late
     second = ("u1", T0 + 5 * MIN)
-    if small is not None and max_repeats > 1:
+    first = "stats" if by_size else "driver"
+    assert paths == ([first, "stats", "stats"] if small is not None else ["driver"] * 3), paths
+    if max_repeats > 1:
         assert table == expected(truth)
         assert table[("u1", T0)][1:] == (3, Decimal("30.00")), "e2 counted once, with its first line's amount"
         assert table[second][1:] == (2, Decimal("15.00")), "e7 counted once, with its first line's amount"
-        assert found_in_stats == [by_size, True, True], "the batches after the first find repeats in their statistics job"
     else:
         assert {k: v[:2] for k, v in table.items()} == {k: v[:2] for k, v in expected(truth).items()}
         assert table[("u1", T0)][2] in (Decimal("30.00"), Decimal("119.00"))

@@ -60,7 +60,7 @@ from .aggregates import Aggregates
 # (24 bytes each).
 MAX_REPEATS = 10_000
 # A stream's batch expected to be of ordinary size (not ``expect_large``) with at most this many valid lines brings
-# their ids' hashes to the driver (16 bytes each), which looks them up (see ``WindowedBatch._stats_and_remembered``):
+# their ids to the driver (32 bytes each), which finds the repeats and looks them up (see ``WindowedBatch._stats_and_ids``):
 # under the latency feed (5k payments/s, alternated whole runs) batches 0.65-0.73 s apart against 0.76-0.85 s when the
 # lookup was a Python task of the statistics job.
 DRIVER_LOOKUP_LINES = 100_000
@@ -68,6 +68,23 @@ DRIVER_LOOKUP_LINES = 100_000
 # more than this (~120k payment lines; see ``LARGE_BATCH_BYTES``): a backlog arriving after ordinary batches does not.
 DRIVER_LOOKUP_BYTES = 40_000_000
 TAG = "_line"  # a valid line's number within its batch (see ``WindowedBatch._tagged``)
+
+
+def first_deliveries(h1: np.ndarray, h2: np.ndarray, arrival: np.ndarray, line: np.ndarray
+                     ) -> tuple[list[int], list[int], list[int]] | None:
+    """Of a batch's valid lines (their id hashes, arrival and line number), the ids delivered more than once: their
+    hashes and the line kept of each, the first to arrive (then the first in the batch); None when more than
+    ``MAX_REPEATS`` (see ``WindowedBatch.repeats``)."""
+    if not len(h1):
+        return [], [], []
+    order = np.lexsort((line, arrival, h2, h1))
+    s1, s2 = h1[order], h2[order]
+    starts = np.flatnonzero(np.concatenate(([True], (s1[1:] != s1[:-1]) | (s2[1:] != s2[:-1]))))
+    again = np.diff(np.append(starts, len(order))) > 1
+    if int(again.sum()) > MAX_REPEATS:
+        return None
+    first = starts[again]
+    return s1[first].tolist(), s2[first].tolist(), line[order][first].tolist()
 
 
 def _check_transform_output(job: WindowedJob, columns: list[str]) -> bool:
@@ -236,10 +253,8 @@ class WindowedBatch:
                 else:
                     self._repeats = self._find_repeats(lines)
                 row = observed(seen)
-            elif self.store is not None and self.store.id_files():
-                row = self._stats_and_remembered()
             else:
-                row = self._lines().agg(*self._stat_columns()).first()
+                row = self._stats_and_ids()
             self._set_stats(row)
         return self._stats
 
@@ -339,7 +354,7 @@ class WindowedBatch:
         """A stream's batch expected to be large, of no more than ``DRIVER_LOOKUP_BYTES`` of input, with remembered
         ids: the statistics job brings every id of the batch (its hashes, its deliveries and the line kept: 32 bytes
         each, as Arrow), and the driver finds both the repeated ids and the remembered ones (as
-        :meth:`_stats_and_remembered` does): no lookup job, no cache of the events. Paced 50k-line batches with
+        :meth:`_stats_and_ids` does): no lookup job, no cache of the events. Paced 50k-line batches with
         late events, alternated whole processes: 0.94 of the wall time of a lookup job of their own."""
         import pyarrow as pa
 
@@ -364,21 +379,27 @@ class WindowedBatch:
         if int(found.sum()) <= MAX_REPEATS:
             self._remembered_found = (h1[found].tolist(), h2[found].tolist())
 
-    def _stats_and_remembered(self):
-        """A stream's batch of ordinary size, with remembered ids: the statistics job also brings the hashes of
-        its valid lines (16 bytes each), and the driver looks them up in its own index of the store's ids
-        (``checkpoint.seen``, as the executors' lookup does): one job of the JVM alone, where a lookup in the
-        executors' Python workers would add a Python task to it, and no broadcast join after it (the events are
-        filtered where they are). A batch with more than ``DRIVER_LOOKUP_LINES`` valid lines brings no hashes: its
-        events join the executors' lookup instead (as they do when more than ``MAX_REPEATS`` ids are found)."""
+    def _stats_and_ids(self):
+        """A stream's batch of ordinary size: the statistics job also brings each valid line's id hashes, arrival
+        and line number (32 bytes a line, up to ``DRIVER_LOOKUP_LINES`` lines), and the driver finds the ids
+        delivered more than once (:func:`first_deliveries`) and, with a store of remembered ids, looks the ids
+        up in its own index of them (``checkpoint.seen``, as the executors' lookup does). One job of the JVM alone:
+        the events are then the cached lines filtered where they are, read again by each output, with no
+        shuffle and sort of every event by its id and no cache of them (whose eager planning alone took ~0.15 s
+        of the driver's time per batch under the latency feed). A batch with more valid lines brings no ids: it
+        finds its repeats in a job of its own (:meth:`repeats`), and its events join the executors' lookup."""
         job = self.job
-        hashes = once("remembered hashes", lambda: [F.when(F.count(F.when(self._valid(), 1)) <= F.lit(DRIVER_LOOKUP_LINES), F.flatten(
-            F.collect_list(F.when(self._valid(), F.array(*id_hashes(F.col(job.source.dedup_key))))))).alias("_hashes")], job)
-        row = self._lines().agg(*self._stat_columns(), *hashes).first()
-        flat = row["_hashes"]
+        ids = once("batch ids", lambda: [F.when(F.count(F.when(self._valid(), 1)) <= F.lit(DRIVER_LOOKUP_LINES), F.flatten(
+            F.collect_list(F.when(self._valid(), F.array(*id_hashes(F.col(job.source.dedup_key)), F.col(ARRIVAL), F.col(TAG))))
+        )).alias("_ids")], job)
+        row = self._numbered(self._lines()).agg(*self._stat_columns(), *ids).first()
+        flat = row["_ids"]
         if flat is not None:
-            pairs = np.asarray(flat, dtype=np.int64).reshape(-1, 2)
-            self._remembered_by_driver(pairs[:, 0], pairs[:, 1])
+            lines = np.asarray(flat, dtype=np.int64).reshape(-1, 4)
+            h1, h2 = lines[:, 0], lines[:, 1]
+            self._repeats = first_deliveries(h1, h2, lines[:, 2], lines[:, 3])
+            if self.store is not None and self.store.id_files():
+                self._remembered_by_driver(h1, h2)
         return row
 
     def repeats(self) -> tuple[list[int], list[int], list[int]] | None:
@@ -417,8 +438,13 @@ class WindowedBatch:
     def _tagged(self, lines: DataFrame | None = None) -> DataFrame:
         """The valid lines with ``TAG``, each line's number in the batch: the same numbers every time (Spark
         numbers the rows of each partition of the cached lines in order; ``lines``: the cached lines, or a
-        frame that passes each of their rows through in order, as the statistics' observation does)."""
-        return (self._lines() if lines is None else lines).where(self._valid()).withColumn(TAG, F.monotonically_increasing_id())
+        frame that passes each of their rows through in order, as the statistics' observation does). Every line
+        is numbered, valid or not, so the statistics job, which counts them all, numbers them alike."""
+        return self._numbered(self._lines() if lines is None else lines).where(self._valid())
+
+    @staticmethod
+    def _numbered(lines: DataFrame) -> DataFrame:
+        return lines.withColumn(TAG, F.monotonically_increasing_id())
 
     def events_seen(self) -> int:
         """Bounded: the events the firing read (after an action over :meth:`fire`'s rows has run)."""
