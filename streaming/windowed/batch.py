@@ -67,7 +67,7 @@ DRIVER_LOOKUP_LINES = 100_000
 # A batch expected to be large brings every id of it to the driver (32 bytes each) when Spark estimates its input at no
 # more than this (~120k payment lines; see ``LARGE_BATCH_BYTES``): a backlog arriving after ordinary batches does not.
 DRIVER_LOOKUP_BYTES = 40_000_000
-TAG = "_line"  # a valid line's number within its batch (see ``WindowedBatch._tagged``)
+TAG = "_line"  # a line's number within its batch (see ``WindowedBatch._tagged``)
 
 
 def first_deliveries(h1: np.ndarray, h2: np.ndarray, arrival: np.ndarray, line: np.ndarray
@@ -307,7 +307,7 @@ class WindowedBatch:
             added = once("event columns", lambda: [
                 F.col("*"), F.unix_millis(job.source.event_time).alias("event_time_ms"), *id_hashes(F.col(key))], job)
             events = select(self._tagged(), added)
-            if repeats is None:  # the first delivery of each id: a small batch's shuffle, or the bounded run's
+            if repeats is None:  # the first delivery of each id by a shuffle: the bounded run's, or too many repeats
                 first = once("first delivery", lambda: F.row_number().over(
                     Window.partitionBy(key).orderBy(F.col(ARRIVAL), F.col(TAG))).alias("_nth"), job)
                 events = events.select("*", first).where(F.col("_nth") == 1).drop("_nth")
@@ -404,16 +404,15 @@ class WindowedBatch:
 
     def repeats(self) -> tuple[list[int], list[int], list[int]] | None:
         """A stream's ids delivered more than once in the batch: their hashes ``_h1`` and ``_h2``, and the
-        line kept of each (the first); None when there are too many to filter (``dropDuplicates`` instead).
+        line kept of each (the first); None when there are too many to filter (each id's deliveries are then
+        numbered in arrival order, a shuffle and sort of every event).
 
         Repeats are rare: this aggregates 24 bytes per line by hash, without sorting, and the events
-        are then filtered where they are, without a shuffle. ``dropDuplicates`` over the events shuffles
-        whole rows and sorts them (its aggregate keeps strings, so Spark sorts instead of hashing): in a
-        stream of 50k-line batches that cost ~0.35 s per batch. A small batch (up to
-        ``INTERPRETED_BATCH_LINES``) uses ``dropDuplicates``: there the sort is small and a job of its own
-        is a fixed cost per batch (the one ``make bench`` with it on 500-line batches had ``purchase_metrics``
-        at p99 1.62 s against 1.19 s the run before; one run, on a noisy machine). A batch expected to be
-        large finds them in its statistics job (see :meth:`stats`)."""
+        are then filtered where they are, without a shuffle. Numbering the deliveries shuffles whole rows
+        and sorts them: in a stream of 50k-line batches that cost ~0.35 s per batch. A batch of ordinary
+        size finds its repeats on the driver, from the ids its statistics job brings (:meth:`_stats_and_ids`);
+        a batch expected to be large in its statistics job (see :meth:`stats`); a job of their own finds those
+        of a batch of more than ``DRIVER_LOOKUP_LINES`` valid lines that was not expected to be large."""
         if self._repeats is _UNKNOWN:
             self._repeats = self._find_repeats(self._lines())
         return self._repeats  # type: ignore[return-value]
