@@ -81,10 +81,15 @@ def first_deliveries(h1: np.ndarray, h2: np.ndarray, arrival: np.ndarray, line: 
     s1, s2 = h1[order], h2[order]
     starts = np.flatnonzero(np.concatenate(([True], (s1[1:] != s1[:-1]) | (s2[1:] != s2[:-1]))))
     again = np.diff(np.append(starts, len(order))) > 1
-    if int(again.sum()) > MAX_REPEATS:
-        return None
     first = starts[again]
-    return s1[first].tolist(), s2[first].tolist(), line[order][first].tolist()
+    return _repeated(s1[first], s2[first], line[order][first])
+
+
+def _repeated(h1: np.ndarray, h2: np.ndarray, kept: np.ndarray) -> tuple[list[int], list[int], list[int]] | None:
+    """The repeated ids found on the driver as :meth:`WindowedBatch.repeats` gives them: None past ``MAX_REPEATS``."""
+    if len(h1) > MAX_REPEATS:
+        return None
+    return h1.tolist(), h2.tolist(), kept.tolist()
 
 
 def _check_transform_output(job: WindowedJob, columns: list[str]) -> bool:
@@ -365,10 +370,7 @@ class WindowedBatch:
             return
         h1, h2, n, kept = (table.column(c).to_numpy().astype(np.int64, copy=False) for c in ("_h1", "_h2", "_n", "_kept"))
         again = n > 1
-        if int(again.sum()) <= MAX_REPEATS:
-            self._repeats = (h1[again].tolist(), h2[again].tolist(), kept[again].tolist())
-        else:
-            self._repeats = None
+        self._repeats = _repeated(h1[again], h2[again], kept[again])
         self._remembered_by_driver(h1, h2)
 
     def _remembered_by_driver(self, h1: np.ndarray, h2: np.ndarray) -> None:
