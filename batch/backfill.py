@@ -180,6 +180,9 @@ def _backfill(spark, settings: Settings, job: Job, start: datetime, end: datetim
         # The quarantine's commits are independent of the main table's: they start now and run beside its pass
         # (their reads of the cached lines and their commit latency overlap it). The late table's follows the
         # main table's commit: it removes late rows whose events the main table now counts.
+        from streaming.run.side import side_rows_committed
+
+        side_rows_committed(spark, settings, job, say, lease=owner.lease)  # (what the stream keeps, in its tables)
         read = _read_by_stream(settings, job)
         with ThreadPoolExecutor(max_workers=len(result.quarantine) + 1, thread_name_prefix=f"backfill-{job.name}") as pool:
             quarantined = [pool.submit(_quarantine, sinks, result, source, frame, props, read)

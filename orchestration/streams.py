@@ -117,6 +117,10 @@ class MaterializationReporter:
         self.pending: dict[tuple[str, str | None], dict] = {}
         self.last_flush = 0.0
         self.partitions_def = None
+        # Lines read and quarantined since the quarantine tables' last commit: a windowed stream keeps quarantined
+        # lines in its checkpoint between commits (streaming/run/side.py), and they are reported when committed.
+        self.lines_since = 0
+        self.quarantined_since = 0
 
     def on_batch(self, result: BatchResult) -> None:
         self.inbox.put(result)
@@ -139,11 +143,20 @@ class MaterializationReporter:
             op.get("numRowsTotal", 0) for op in progress.get("stateOperators", []))
         now_ms = int(time.time() * 1000)
         watermark = s.watermark_out_ms
-        self.context.log.info(
-            f"{self.job.name} batch {result.batch_id}: {s.lines:,} lines, {s.events:,} events, {late_count(self.job, s.late)}, "
-            f"{s.quarantined:,} quarantined, {s.rows_written:,} rows written in {result.seconds:.2f}s; "
-            f"watermark {describe_watermark(watermark)}")
-        samples = self._quarantined(result) if s.quarantined else []
+        if result.outside_batch:
+            self.context.log.info(
+                f"{self.job.name}: committed the side rows kept through batch {result.batch_id} ("
+                + ", ".join(f"{t}: {w.rows:,}" for t, w in result.tables.items()) + ")")
+        else:
+            self.context.log.info(
+                f"{self.job.name} batch {result.batch_id}: {s.lines:,} lines, {s.events:,} events, "
+                f"{late_count(self.job, s.late)}, {s.quarantined:,} quarantined, {s.rows_written:,} rows written in "
+                f"{result.seconds:.2f}s; watermark {describe_watermark(watermark)}")
+        if not result.outside_batch:
+            self.lines_since += s.lines
+            self.quarantined_since += s.quarantined
+        wrote_quarantine = any(t in self.quarantine_sinks for t in result.tables)
+        samples = self._quarantined(result, self.quarantined_since) if wrote_quarantine and self.quarantined_since else []
         for table, write in result.tables.items():
             days = day_keys(write.first_ms, write.last_ms, self.partitions_def) or [None]
             for day in days:
@@ -152,22 +165,28 @@ class MaterializationReporter:
                                                                "samples": []})
                 entry["batches"].append(result.batch_id)
                 entry["rows_written"] += write.rows  # of the batch, over every partition it touched
-                entry["rows_in"] += s.lines
                 entry["seconds"] += result.seconds
                 entry["late"] += s.late  # (summed over the merged batches, as the rows are)
-                entry["quarantined"] += s.quarantined
-                if table in self.quarantine_sinks:
+                if table in self.quarantine_sinks:  # (the lines since its last commit, which this one brings)
+                    entry["rows_in"] += self.lines_since
+                    entry["quarantined"] += self.quarantined_since
                     entry["samples"] = (entry["samples"] + samples)[:5]
+                else:
+                    entry["rows_in"] += s.lines
+                    entry["quarantined"] += s.quarantined
                 entry.update(
                     watermark=watermark, state_rows=state_rows,
                     input_rate=float(progress.get("inputRowsPerSecond") or 0.0),  # (Spark has none for a first batch)
                     lag_s=max(0.0, (now_ms - watermark) / 1000) if is_finite(watermark) else 0.0,
                     complete=day is None or _day_complete(day, watermark),
                 )
+        if wrote_quarantine:
+            self.lines_since = self.quarantined_since = 0
 
-    def _quarantined(self, result: BatchResult) -> list[str]:
-        """The batch's quarantined lines, a few, as "<file>: <reason>", logged as a warning (a bad file in the
-        landing zone is news, not a detail of an INFO line)."""
+    def _quarantined(self, result: BatchResult, count: int) -> list[str]:
+        """The quarantined lines the batch committed (``count``: since the last such commit), a few, as
+        "<file>: <reason>", logged as a warning (a bad file in the landing zone is news, not a detail of an INFO
+        line)."""
         found = []
         for table, sink in self.quarantine_sinks.items():
             if table not in result.tables:
@@ -184,8 +203,8 @@ class MaterializationReporter:
                 found.append(f"{name}: {r.reason}" + (f" (x{r.occurrences})" if r.occurrences and r.occurrences > 1 else ""))
         if found:
             self.context.log.warning(
-                f"{self.job.name} batch {result.batch_id}: {result.stats.quarantined:,} line(s) quarantined: "
-                + "; ".join(found) + ("; ..." if result.stats.quarantined > len(found) else ""))
+                f"{self.job.name} batch {result.batch_id}: {count:,} line(s) quarantined: "
+                + "; ".join(found) + ("; ..." if count > len(found) else ""))
         return found
 
     def _quarantine_volume(self, table: str, day: str | None, e: dict, batches: str) -> dg.AssetCheckEvaluation:

@@ -10,6 +10,8 @@ Precedence (highest first): environment variables, the YAML file, defaults.
 ``LAKESTREAM_ICEBERG_JAR``     path of the Iceberg Spark runtime jar (default: the bundled wheel)
 ``LAKESTREAM_FORMAT``          table format of every sink: ``iceberg`` (default) or ``delta``
 ``LAKESTREAM_SNAPSHOT_RETENTION`` / ``LAKESTREAM_EXPIRE_EVERY``  ``iceberg.snapshot_retention`` / ``iceberg.expire_every``
+``LAKESTREAM_SIDE_OUTPUTS_EVERY``  ``side_outputs_every``: how often a windowed stream commits its late rows and
+                               quarantined lines (default 10s; ``0s``: with every batch)
 ``LAKESTREAM_PROJECT``         the user project: a folder (Python package) of sources and jobs, or a module
 ``LAKESTREAM_DEBUG``           ``1``: the CLI shows the whole trace of an error instead of one line
 ``LAKESTREAM_CACHE``           where lakestream keeps what it builds once per machine (default
@@ -41,6 +43,8 @@ YAML keys (all optional)::
       conf: {spark.executor.memory: 4g}
       jvm_options: -XX:TieredStopAtLevel=1   # added to the driver's (and executors') Java options
     format: iceberg                   # table format of every sink: iceberg (default) | delta
+    side_outputs_every: 10s           # a windowed stream commits late rows and quarantined lines this often
+                                      # (0s: with every batch); see docs/design-side-outputs.md
     partitions_start: 2026-11-01      # first day of the tables' daily partitions (Dagster)
     savepoint_schedule: 0 4 * * *     # cron (UTC) of Dagster's savepoint_before_deploy_schedule (off until started)
     storage_options:                  # fsspec options for reading checkpoints and landing folders on an
@@ -61,6 +65,7 @@ YAML keys (all optional)::
         out_of_orderness: 10s
         trigger_interval: 5s
         max_files_per_trigger: 1
+        side_outputs_every: 0s        # this job's side tables with every batch
         format: delta                 # this job's sinks only
 """
 
@@ -79,8 +84,9 @@ from .time import parse_duration
 from .errors import ConfigError
 
 _TOP_KEYS = {"home", "project", "landing", "warehouse", "delta_root", "checkpoints", "savepoints", "spark", "iceberg", "delta", "format",
-             "partitions_start", "savepoint_schedule", "jobs", "storage_options"}
-_JOB_KEYS = {"out_of_orderness", "allowed_lateness", "trigger_interval", "max_files_per_trigger", "dedup_ttl", "format"}
+             "side_outputs_every", "partitions_start", "savepoint_schedule", "jobs", "storage_options"}
+_JOB_KEYS = {"out_of_orderness", "allowed_lateness", "trigger_interval", "max_files_per_trigger", "dedup_ttl", "format",
+             "side_outputs_every"}
 FORMATS = ("iceberg", "delta")
 _DELTA_ENGINES = ("delta-rs", "spark")
 
@@ -96,6 +102,7 @@ class JobOverrides:
     #                                           timers: once a second); see ``run.runner.trigger_interval``
     max_files_per_trigger: int | None = None
     format: str | None = None  # table format of this job's sinks (default: Settings.format)
+    side_outputs_every: timedelta | None = None  # (default: Settings.side_outputs_every)
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,9 @@ class Settings:
     jvm_options: str = ""  # added to Spark's driver and executor Java options
     iceberg: IcebergSettings = field(default_factory=IcebergSettings)
     format: str = "iceberg"
+    # How often a windowed stream commits its side outputs (late rows, quarantined lines): in between, a batch keeps
+    # them in its checkpoint (docs/design-side-outputs.md). 0: with every batch.
+    side_outputs_every: timedelta = timedelta(seconds=10)
     delta_engine: str = "delta-rs"
     delta_storage_options: Mapping[str, str] = field(default_factory=dict)
     storage_options: Mapping[str, Any] = field(default_factory=dict)  # fsspec: checkpoint inspection, landing listing
@@ -204,6 +214,8 @@ class Settings:
                                             field="iceberg.expire_every"),
             ),
             format=_format(env.get("LAKESTREAM_FORMAT") or data.get("format") or "iceberg", "format"),
+            side_outputs_every=_not_negative(env.get("LAKESTREAM_SIDE_OUTPUTS_EVERY") or data.get("side_outputs_every", "10s"),
+                                             "side_outputs_every"),
             delta_engine=engine,
             partitions_start=_day(data.get("partitions_start", "2026-11-01")),
             savepoint_schedule=_cron(data.get("savepoint_schedule", "0 4 * * *"), "savepoint_schedule"),
@@ -232,6 +244,11 @@ class Settings:
         jobs = dict(self.jobs)
         jobs[name] = replace(self.job(name), **changes)
         return replace(self, jobs=jobs)
+
+    def side_outputs_every_of(self, job: str) -> timedelta:
+        """How often ``job``'s stream commits its side outputs: its own override, else the global setting."""
+        own = self.job(job).side_outputs_every
+        return self.side_outputs_every if own is None else own
 
     def format_of(self, job: str | None) -> str:
         """The table format of a job's sinks: its own override, else the global one."""
@@ -267,6 +284,13 @@ def _positive(text, name: str, what: str) -> timedelta:
     value = parse_duration(text, field=name)
     if value <= timedelta(0):
         raise ConfigError(f"{name} must be positive ({what}), got {text!r}")
+    return value
+
+
+def _not_negative(text, name: str) -> timedelta:
+    value = parse_duration(text, field=name)
+    if value < timedelta(0):
+        raise ConfigError(f"{name} must be 0s or more (how often side outputs are committed), got {text!r}; e.g. 10s")
     return value
 
 
@@ -349,11 +373,14 @@ def _job_overrides(name: str, raw: Any) -> JobOverrides:
     if unknown:
         raise ConfigError(f"jobs.{name}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_JOB_KEYS)}")
     values: dict[str, Any] = {}
-    for key in ("out_of_orderness", "allowed_lateness", "dedup_ttl", "trigger_interval"):
+    for key in ("out_of_orderness", "allowed_lateness", "dedup_ttl", "trigger_interval", "side_outputs_every"):
         if key in raw:
             # A value is always taken as given, zero included (`out_of_orderness: 0s` is a real choice):
             # nothing below may test an override for truth.
             values[key] = parse_duration(raw[key], field=f"jobs.{name}.{key}")
+    if values.get("side_outputs_every", timedelta(0)) < timedelta(0):
+        raise ConfigError(f"jobs.{name}.side_outputs_every must be 0s or more (how often side outputs are committed), "
+                          f"got {raw['side_outputs_every']!r}; e.g. 10s")
     if "dedup_ttl" in values and values["dedup_ttl"] <= timedelta(0):
         raise ConfigError(f"jobs.{name}.dedup_ttl must be positive (how long an event id is remembered), got "
                           f"{raw['dedup_ttl']!r}; e.g. 30m")

@@ -2,11 +2,12 @@
 as an uninterrupted run's, in Iceberg and in Delta.
 
 The job runs in a child process (``lakestream run purchase_metrics``, one file per micro-batch)
-while a feeder moves files into the landing zone. The child is killed with SIGKILL 12 times: at
+while a feeder moves files into the landing zone. The child is killed with SIGKILL 14 times: at
 random moments (starting up, planning, inside a batch) and paused at named points of a batch —
 after the quarantine table's commit (before the late and main tables'), after the late side
 output's, after the main table's, before the engine state is written, and after it (before Spark
-records the batch as committed). Each time it is started again. An uninterrupted run reads the
+records the batch as committed) — and of a commit of side rows kept in the checkpoint outside a batch
+(after its late table's commit, before the record's rewrite): side rows are committed every 2 s. Each time it is started again. An uninterrupted run reads the
 same files one per batch; the oracle replays exactly that, so the final tables must equal it: no
 window twice, none missing, every late event and quarantined line exactly once.
 
@@ -38,6 +39,9 @@ POINTS = [
     "committed:lake.payments.purchase_metrics",
     "before-state",
     "after-state",
+    # the commit of side rows kept in the checkpoint, outside a batch (``run.side``: at a start, an idle moment, a stop)
+    "flushed:lake.payments.purchase_metrics_late",
+    "before-flush-record",
 ]
 
 
@@ -80,9 +84,9 @@ def _feeder(files: list[Path], landing: Path, stop: threading.Event) -> threadin
     return thread
 
 
-def _killed_again_and_again(home: Path, tmp_path: Path, job: str, points: list[str]) -> Path:
-    """Feed the landing zone while ``job`` is SIGKILLed ten times (five at random moments, one at each pause
-    point, the points in turn), then run it to the end of its input; returns the landing folder."""
+def _killed_again_and_again(home: Path, tmp_path: Path, job: str, points: list[str], times: int = 10) -> Path:
+    """Feed the landing zone while ``job`` is SIGKILLed ``times`` times (half at random moments, half at the pause
+    points, in turn), then run it to the end of its input; returns the landing folder."""
     from lakestream.generator import generate
 
     generate(SMALL, tmp_path / "staging", sources=("payments",))
@@ -97,7 +101,7 @@ def _killed_again_and_again(home: Path, tmp_path: Path, job: str, points: list[s
     pause_dir = tmp_path / "pauses"
     kills = []
     try:
-        for n in range(10):
+        for n in range(times):
             point = points[n // 2 % len(points)] if n % 2 else None
             proc = _child(home, point, pause_dir, job=job)
             if point is None:
@@ -121,12 +125,12 @@ def _killed_again_and_again(home: Path, tmp_path: Path, job: str, points: list[s
     assert final.wait(timeout=600) == 0, (home / "child.log").read_text()[-3000:]
 
     print("kills:", kills)
-    assert len(kills) == 10
+    assert len(kills) == times
     assert sum(1 for k in kills if "not reached" not in k and k != "random") >= 3, kills
     return landing
 
 
-def _home(tmp_path: Path, warehouse: Path, fmt: str, job: str) -> Path:
+def _home(tmp_path: Path, warehouse: Path, fmt: str, job: str, extra: str = "") -> Path:
     home = tmp_path / "home"
     home.mkdir()
     # Snapshots expire after every batch (a retention of a millisecond): a replayed batch must still find the
@@ -134,7 +138,7 @@ def _home(tmp_path: Path, warehouse: Path, fmt: str, job: str) -> Path:
     (home / "lakestream.yaml").write_text(
         f"warehouse: {warehouse}\nformat: {fmt}\nspark: {{shuffle_partitions: 2}}\n"
         f"iceberg: {{snapshot_retention: 1ms, expire_every: 0s}}\n"
-        f"jobs: {{{job}: {{max_files_per_trigger: 1, trigger_interval: 300ms}}}}\n"
+        f"jobs: {{{job}: {{max_files_per_trigger: 1, trigger_interval: 300ms{extra}}}}}\n"
     )
     return home
 
@@ -143,8 +147,10 @@ def _home(tmp_path: Path, warehouse: Path, fmt: str, job: str) -> Path:
 @pytest.mark.parametrize("fmt", ["iceberg", "delta"])
 def test_sigkill_at_random_moments_never_duplicates_or_loses_a_row(spark, warehouse, tmp_path, fmt):
     drop_job_tables(spark)
-    home = _home(tmp_path, warehouse, fmt, JOB)
-    landing = _killed_again_and_again(home, tmp_path, JOB, POINTS)
+    # Side rows are committed every 2 s (in a batch, or outside one while the stream idles, starts or stops): kills
+    # land in both kinds of commit, and while rows are kept in the checkpoint.
+    home = _home(tmp_path, warehouse, fmt, JOB, extra=", side_outputs_every: 2s")
+    landing = _killed_again_and_again(home, tmp_path, JOB, POINTS, times=14)
     truth = oracle.replay_stream([oracle.read_lines(p) for p in oracle.files_in_arrival_order(landing)])
     windows, late, quarantine = _tables(spark, fmt, home, warehouse)
     assert windows == truth.closed  # _tables fails on a duplicate window

@@ -590,7 +590,8 @@ def test_a_table_source_stream_killed_at_every_commit_point_ends_exactly_once(sp
     home = tmp_path / "home"
     home.mkdir()
     (home / "lakestream.yaml").write_text(f"project: {root}\nwarehouse: {warehouse}\nspark: {{shuffle_partitions: 2}}\n"
-                                          "jobs: {crash_gold: {max_files_per_trigger: 1}}\n")
+                                          # (side tables committed with every batch: their commits are points)
+                                          "jobs: {crash_gold: {max_files_per_trigger: 1, side_outputs_every: 0s}}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("LAKESTREAM_")}
     pauses = tmp_path / "pauses"
     points = ["committed:lake.quarantine.silver_orders", "committed:lake.crash.crash_gold_late",

@@ -69,6 +69,7 @@ class CheckpointReport:
     state_rows: dict | None = None  # what the stream remembers after its last batch (ids, pieces, evals / keys)
     engine_state_rows: dict[int, int] = field(default_factory=dict)  # batch id -> rows remembered after it
     totals: dict | None = None  # the stream's cumulative statistics after the last committed batch (lines, late...)
+    side_rows_kept: dict[str, int] = field(default_factory=dict)  # side table -> rows kept in the checkpoint (run.side)
     rewritten_files: list[str] = field(default_factory=list)  # landing files modified after the stream read them
     source_offsets: list = field(default_factory=list)  # Spark's per-source offsets of the last committed batch
     positions: dict[str, str] = field(default_factory=dict)  # source -> where the stream stands in it (e.g. a snapshot)
@@ -298,6 +299,8 @@ def _read_engine_state(root: Tree, report: CheckpointReport) -> None:
         report.watermark_ms = int(record["stats"]["watermark_out_ms"])
         report.totals = record.get("totals")
         report.state_rows = record.get("state_rows")
+        for kept in record.get("pending") or ():
+            report.side_rows_kept[kept["table"]] = report.side_rows_kept.get(kept["table"], 0) + int(kept["rows"])
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         report.problems.append(f"{rel} is corrupt: no watermark")
 

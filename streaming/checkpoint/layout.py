@@ -12,6 +12,7 @@ lakestream's part (``lakestream/``)::
 
     batches/N.json          batch record: statistics, totals, watermarks, the job's shape, the store manifest
     store/N/                the incremental store's files written by batch N (remembered ids, window pieces)
+    side/N/<table>/         side rows (late, quarantined) batch N kept here until its side tables' next commit
     keys/<bucket>/          a keyed stream's per-key state files (their names are in Spark's group state)
     running                 the process running the stream (pid, host, query id, start)
     stop-request            asks that process to stop after its current batch (stop-with-savepoint)
@@ -97,6 +98,10 @@ class Layout:
 
     def store_batch(self, batch_id: int) -> str:
         return f"{self.store}/{batch_id}"
+
+    def side(self, batch_id: int, table: str) -> str:
+        """Side rows of ``table`` that batch ``batch_id`` keeps until they are committed (``run.side``)."""
+        return f"{self.engine}/side/{batch_id}/{table}"
 
     @property
     def keys(self) -> str:

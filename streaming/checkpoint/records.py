@@ -62,7 +62,25 @@ FORMAT = 3  # 3: incremental store (ids, pieces, evals); keyed state in buckets 
 # lakestream would read the buckets' group state as empty, so it must refuse the checkpoint, and it refuses
 # any format but its own. This version reads both.
 KEY_FILES_FORMAT = 4
-READABLE = (FORMAT, KEY_FILES_FORMAT)
+# A windowed stream's record that holds side rows not committed yet (``pending``): an older lakestream would
+# not commit them, so it must refuse the record; a record without any is written in ``FORMAT``.
+PENDING_FORMAT = 5
+READABLE = (FORMAT, KEY_FILES_FORMAT, PENDING_FORMAT)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Side rows a batch wrote into the checkpoint instead of their table (see ``run.side``): one Parquet folder."""
+
+    table: str  # the side table they belong to
+    path: str
+    rows: int
+    batch: int  # the batch that made them
+    written_ms: int  # when (wall clock): a stream commits them once the oldest is ``side_outputs_every`` old
+
+    @staticmethod
+    def of(data: dict) -> "Pending":
+        return Pending(**data)
 
 
 @dataclass(frozen=True)
@@ -78,6 +96,7 @@ class BatchRecord:
     key_buckets: int | None = None  # keyed streams: how many groups the keys are bucketed in (fixed per checkpoint)
     bucket_labels: tuple[int, ...] | None = None  # keyed streams: each bucket's grouping value (None: the bucket number)
     format: int = FORMAT
+    pending: tuple[Pending, ...] = ()  # windowed streams: side rows not committed to their tables yet
 
     @property
     def watermark_ms(self) -> int:
@@ -93,6 +112,11 @@ class BatchRecord:
             data["key_buckets"] = self.key_buckets
         if self.bucket_labels is not None:
             data["bucket_labels"] = list(self.bucket_labels)
+        if self.pending:
+            data["pending"] = [asdict(p) for p in self.pending]
+            data["format"] = PENDING_FORMAT
+        elif self.format == PENDING_FORMAT:
+            data["format"] = FORMAT
         return json.dumps(data, indent=1)
 
 
@@ -118,7 +142,7 @@ def parse_record(text: str, path: str) -> BatchRecord:
             store=Manifest.from_json(data.get("store")), removed=tuple(data.get("removed") or ()),
             state_rows=data.get("state_rows"), key_buckets=data.get("key_buckets"),
             bucket_labels=tuple(data["bucket_labels"]) if data.get("bucket_labels") is not None else None,
-            format=data["format"],
+            format=data["format"], pending=tuple(Pending.of(p) for p in data.get("pending") or ()),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointCorruptError(
@@ -208,6 +232,10 @@ class Records:
             self.state.refuse_legacy()
             self._last = self.state.latest_record_before(batch_id)
             self._loaded_for = batch_id
+        return self._last
+
+    def latest(self) -> BatchRecord | None:
+        """The newest record this run has read or written (None before its first batch)."""
         return self._last
 
     def committed(self, record: BatchRecord) -> None:

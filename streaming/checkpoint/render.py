@@ -71,6 +71,8 @@ def describe(report: CheckpointReport) -> str:
         f"source files     {report.files_consumed} consumed, {report.files_in_flight} in flight, "
         f"{report.files_waiting} waiting ({report.bytes_waiting:,} bytes)",
         f"watermark        {watermark(report.watermark_ms)}",
+        *([f"side rows kept   {', '.join(f'{t}: {n:,}' for t, n in sorted(report.side_rows_kept.items()))} "
+           "(committed at the next interval or stop)"] if report.side_rows_kept else []),
         f"shuffle parts    {report.shuffle_partitions or '-'}",
         f"state on disk    {report.state_bytes:,} bytes"
         + "".join(

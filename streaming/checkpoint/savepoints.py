@@ -41,6 +41,7 @@ from .layout import Layout, commit_app_id, numbered, offset_sources, query_id
 from .lease import Lease
 from ..settings import Settings
 from ..io.sinks import IcebergSink, sink_for
+from ..io.sinks.base import FLUSH
 from .records import EngineState
 from ..io.tables import table_roles
 
@@ -169,6 +170,11 @@ class Savepoints:
         self._stop_holder(job, lease, timeout_s)
         lease.acquire("savepoint")
         try:
+            from ..run.side import settle_stopped
+
+            # Side rows the stream kept in its checkpoint (a crash left them) go to their tables first, so the copy
+            # and the tables' versions agree on them (``run.side``).
+            settle_stopped(self.spark, self.settings, job, say=self.say)
             # The savepoint's batch is the last one Spark recorded as committed; a batch planned after it
             # (interrupted by the stop, or by a crash) is replayed after a restore, exactly-once like any other.
             committed = numbered(self.fs.list_names(layout.commits))
@@ -235,7 +241,8 @@ class Savepoints:
             sink = sink_for(self.spark, self.settings, table, job.name)
             # The job's own tables as of the savepoint's batch (a batch after it may have committed some of its
             # tables before a crash); a shared table is not rolled back (see restore), its version is a note.
-            tables[table.name] = sink.version_before(app, batch_id) if role != "quarantine" else sink.version()
+            tables[table.name] = sink.version_before(app, batch_id, flush_kept=bool(record and record.pending)) \
+                if role != "quarantine" else sink.version()
         return {
             "id": savepoint_id,
             "job": job.name,
@@ -245,6 +252,8 @@ class Savepoints:
             "code_version": code_version(),
             "batch_id": batch_id if batch_id >= 0 else None,
             "query_id": app.split(":", 1)[0],
+            "app_id": app,
+            "side_rows_kept": bool(record and record.pending),  # (see ``run.side``: none once settled)
             "watermark_ms": record.watermark_ms if record else None,
             "source": {"landing": [kind_of(s).location(self.settings, s) for s in job.sources], "offsets": source_offset,
                        "last_planned_batch": offsets[-1] if offsets else None},
@@ -289,8 +298,11 @@ class Savepoints:
             query = savepoint.manifest.get("query_id") or _query_of(self.fs, savepoint.checkpoint)
             for sink in shared:
                 self.say(f"  {sink.table.name} (shared): deleting {job.name}'s rows written after batch {batch_id}")
-                sink.delete_where(f"detected_by = '{job.name}' AND written_by LIKE '{query}%' AND batch_id > "
-                                  f"{-1 if batch_id is None else int(batch_id)}")
+                after = f"batch_id > {-1 if batch_id is None else int(batch_id)}"
+                if savepoint.manifest.get("side_rows_kept") and batch_id is not None:
+                    # the copy keeps side rows that a commit outside a batch may have written after it (run.side)
+                    after = f"({after} OR written_by = '{savepoint.manifest.get('app_id')}{FLUSH}:{int(batch_id)}')"
+                sink.delete_where(f"detected_by = '{job.name}' AND written_by LIKE '{query}%' AND {after}")
             self.fault("restore:tables", int(batch_id if batch_id is not None else -1))
             # 3. the checkpoint
             self.fs.delete(checkpoint)

@@ -61,6 +61,7 @@ class BatchResult:
     tables: dict[str, TableWrite]
     committed_at_ms: int
     state_rows: int | None = None  # what the stream remembers after the batch
+    outside_batch: bool = False  # side rows kept by earlier batches, committed between batches (``run.side``)
 
 
 ProgressFn = Callable[[BatchResult], None]
@@ -80,6 +81,7 @@ class StreamReport:
     step_seconds: dict[str, float] = field(default_factory=dict)  # where the batches' time went
     batch_done: threading.Event = field(default_factory=threading.Event)  # set when a batch is committed
     signal: str | None = None  # the signal (SIGINT/SIGTERM) that stopped the stream, if one did
+    handler: object | None = field(default=None, repr=False)  # the stream's foreachBatch (its side rows: ``run.side``)
 
     def timed(self, step: str, started: float) -> float:
         now = time.perf_counter()

@@ -9,6 +9,7 @@ committed exactly once per batch (see ``run.commit``).
 from __future__ import annotations
 
 import functools
+import logging
 import signal
 import threading
 import time
@@ -31,7 +32,13 @@ from ..spark.session import stream_session
 from ..keyed.function import PROCESSING_TIME
 from ..settings import Settings
 from ..io.tables import job_sinks
+
+log = logging.getLogger(__name__)
+
+
 def print_progress(result: BatchResult) -> None:
+    if result.outside_batch:  # (said as it was committed)
+        return
     s = result.stats
     print(
         f"[{result.job} batch {result.batch_id}] {s.lines:,} lines, {s.events:,} events, {s.duplicates:,} duplicates, "
@@ -57,6 +64,25 @@ def snapshot_expiry(settings: Settings, job: Job, sinks, say=None) -> SnapshotEx
         return None
     return SnapshotExpiry(own, int(settings.iceberg.snapshot_retention.total_seconds() * 1000),
                           settings.iceberg.expire_every.total_seconds(), say=say)
+
+
+def _say(progress):
+    return (lambda text: print(text, flush=True)) if progress else None
+
+
+def settle_side_outputs(spark, r, progress, *, at_stop: bool = False, only_if_due: bool = False) -> None:
+    """Commit the side rows a windowed stream keeps (``run.side``): at its stop (before its lease goes), or while
+    it idles with rows due. A failure while idle is logged and tried again; at the stop it is raised."""
+    handler = getattr(r.report, "handler", None)
+    if not isinstance(handler, WindowedHandler):
+        return
+    try:
+        handler.settle(spark, at_stop=at_stop, only_if_due=only_if_due, say=_say(progress) if at_stop else None)
+    except Exception as exc:  # noqa: BLE001 - idle housekeeping: the next batch or the stop commits them
+        if not only_if_due:
+            raise
+        log.warning("%s: could not commit its side rows while idle (%s); the next batch or the stop will",
+                    r.job.name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
 def raw_stream(spark, settings: Settings, job: Job) -> DataFrame:
@@ -97,8 +123,12 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
 
         stream = raw
         handler = WindowedHandler(job, checkpoint, sinks, progress, report, fault, lease,
-                                  store_schemas=store_schemas(spark, job), storage_options=settings.storage_options)
+                                  store_schemas=store_schemas(spark, job), storage_options=settings.storage_options,
+                                  side_every_ms=int(settings.side_outputs_every_of(job.name).total_seconds() * 1000))
     handler.before_start(spark, resuming)
+    report.handler = handler
+    if resuming and isinstance(handler, WindowedHandler):  # side rows a crash left in the checkpoint
+        handler.settle(spark, say=_say(progress))
     handler.expiry = snapshot_expiry(settings, job, sinks, say=(lambda text: print(text, flush=True)) if progress else None)
     writer = stream.writeStream.queryName(job.name).option("checkpointLocation", checkpoint).foreachBatch(handler)
     interval = trigger_interval(settings, job)
@@ -259,7 +289,8 @@ def run_streams(
     or every query with ``stop_together``; a query that fails stops the others gracefully and its
     error is raised.
 
-    ``progress`` is called after each committed batch, on Spark's batch thread; ``tick(query)`` is
+    ``progress`` is called after each committed batch, on Spark's batch thread, and after a commit of side rows
+    kept by earlier batches (``BatchResult.outside_batch``, ``run.side``), on the thread that made it; ``tick(query)`` is
     called about twice a second per query (and once at the end) on the calling thread, e.g. to
     publish progress from there.
 
@@ -301,13 +332,17 @@ def run_streams(
                     running.remove(r)
                     if r.query.exception() is not None:
                         raise r.query.exception()
+                    settle_side_outputs(spark, r, progress, at_stop=True)
                     r.lease.release()
                 elif stop.is_set() or (polls % 4 == 0 and r.lease.stop_requested()) or (
                         available_now and (_polls(r.job) or _paced_tables(settings, r.job))
                         and _drained(r.query, time.monotonic() - began, timers=_polls(r.job))):
                     stop_gracefully(r.query, r.report)
                     running.remove(r)
+                    settle_side_outputs(spark, r, progress, at_stop=True)
                     r.lease.release()  # a savepoint waiting for this job may go on
+                elif polls % 4 == 2 and not r.query.status.get("isTriggerActive"):
+                    settle_side_outputs(spark, r, progress, only_if_due=True)  # an idle stream's side rows
             if running:
                 running[0].query.awaitTermination(0.5)
                 if tick is not None:

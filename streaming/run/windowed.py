@@ -3,6 +3,7 @@ its commits, exactly once per table (see ``commit``)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -17,7 +18,12 @@ from ..io.sinks import OP
 from ..spark.columns import once
 from ..windowed.batch import INTERPRETED_BATCH_LINES, SMALL_BATCH_LINES, plan_batch
 from ..windowed.compaction import Compaction, compact, compaction_due, maintain
-from .commit import INTERPRETED, ONE_PARTITION, Handler, Output, count_span, override, restore
+from . import side
+from ..checkpoint.records import BatchStats
+from .commit import INTERPRETED, ONE_PARTITION, BatchResult, Handler, Output, count_span, override, restore
+
+
+SMALL_SIDE_ROWS = 100_000  # side rows kept in the checkpoint by one task (one file per folder)
 
 
 class WindowedHandler(Handler):
@@ -25,11 +31,82 @@ class WindowedHandler(Handler):
 
     job: WindowedJob
 
-    def __init__(self, *args, store_schemas: dict, storage_options: dict | None = None, **kwargs):
+    def __init__(self, *args, store_schemas: dict, storage_options: dict | None = None, side_every_ms: int = 0,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.store_schemas = store_schemas
         self.storage_options = dict(storage_options or {})
+        self.side_every_ms = side_every_ms  # how often the side outputs are committed (``run.side``; 0: every batch)
+        self.lock = threading.Lock()  # held by a batch, and by a commit of pending side rows outside one
         self._forced_ranges: list[tuple[int, int]] | None = None
+
+    def settle(self, spark, *, at_stop: bool = False, only_if_due: bool = False, say=None) -> int:
+        """Commit the side rows the newest record keeps, outside any batch (``run.side.commit_pending``): before the
+        stream starts (a crash left them), when it stops, or while it idles with rows due (``only_if_due``: then
+        only if no batch runs). Returns how many rows it committed."""
+        if only_if_due:
+            if not self.lock.acquire(blocking=False):
+                return 0
+        else:
+            self.lock.acquire()
+        try:
+            if only_if_due and (self.records is None or self.records.latest() is None):
+                return 0  # (no batch of this run yet: what a crash left was committed at the start)
+            self._start(spark)
+            if at_stop:
+                candidate = self.state.replay_candidate()  # (a batch the stop interrupted)
+            elif self.records.latest() is None:
+                candidate = self._replay  # before this run's first batch
+            else:
+                candidate = None  # between two batches of this run: the last one ended
+            # A batch Spark will replay starts again from the record before it: that record's side rows are
+            # the ones to commit (a record of the batch itself, if written, is rewritten by the replay).
+            if candidate is not None:
+                record = self.state.latest_record_before(candidate)
+            else:
+                record = self.records.latest() or self.state.latest_record()
+            if record is None or not record.pending or (only_if_due and not side.due(record.pending, self.side_every_ms)):
+                return 0
+            if self.lease is not None:
+                self.lease.check()
+            started = time.perf_counter()
+            settled, tables = side.commit_pending(spark, self.state, record, self.sinks, self._prefix, self.job.name,
+                                                  candidate=candidate, fault=self._fault, say=say)
+            self.records.committed(settled)
+            if self.progress and tables:  # (Dagster: the side tables' materializations, the watermark)
+                w = settled.watermark_ms
+                self.progress(BatchResult(self.job.name, settled.batch_id, BatchStats(watermark_in_ms=w, watermark_out_ms=w),
+                                          time.perf_counter() - started, tables, int(time.time() * 1000),
+                                          sum((settled.state_rows or {}).values()) or None, outside_batch=True))
+            return sum(p.rows for p in record.pending)
+        finally:
+            self.lock.release()
+
+    def _commit_quarantine(self, batch, commit, batch_id: int, prior) -> dict:
+        """Commit the batch's quarantined lines with those earlier batches kept (stamped with this commit)."""
+        spark = batch.parsed.sparkSession
+        outputs = []
+        for source, n in batch.quarantined_by_source.items():
+            sink = self.sinks.quarantine[source]
+            earlier = side.of_table(prior, sink.table.name)
+            frame = batch.quarantine(source, commit.id, batch_id) if n else None
+            if earlier:
+                stamped = side.read_pending(spark, earlier, commit.id, batch_id)
+                frame = stamped if frame is None else stamped.unionByName(frame)
+            outputs.append(Output(sink, frame, n + sum(p.rows for p in earlier)))
+        return self.write(outputs, commit, batch_id)
+
+    def _keep_quarantine(self, batch, commit, batch_id: int, prior) -> list:
+        """Write the batch's quarantined lines into the checkpoint (``run.side``), unstamped."""
+        spark = batch.parsed.sparkSession
+        kept = []
+        for source, n in batch.quarantined_by_source.items():
+            if n:
+                made = side.write_pending(spark, self.layout, batch_id, self.sinks.quarantine[source].table.name,
+                                          batch.quarantine(source), n <= SMALL_SIDE_ROWS)
+                if made is not None:
+                    kept.append(made)
+        return kept
 
     def _forced(self, spark) -> list[tuple[int, int]]:
         """The checkpoint's forced ranges, read once per run (a forced backfill writes them only while no stream
@@ -39,6 +116,10 @@ class WindowedHandler(Handler):
         return self._forced_ranges
 
     def __call__(self, raw: DataFrame, batch_id: int) -> None:
+        with self.lock:
+            self._batch(raw, batch_id)
+
+    def _batch(self, raw: DataFrame, batch_id: int) -> None:
         spark = raw.sparkSession
         started = t = time.perf_counter()
         timed = self.report.timed
@@ -87,20 +168,35 @@ class WindowedHandler(Handler):
                 spark.conf.set("spark.sql.adaptive.enabled", "true")
             t = timed("parse + stats", t)
             commit = self.commit(batch_id, w_out)
+            # The side outputs are committed every ``side_outputs_every`` (``run.side``): until then each batch
+            # writes its side rows into the checkpoint. A batch Spark may be replaying commits them: its first
+            # attempt may have.
+            prior = previous.pending if previous is not None else ()
+            flush = not self.side_every_ms or batch_id == self._replay or side.due(prior, self.side_every_ms)
             # Four strands overlap: the quarantine's commit (it reads nothing but the cached lines) starts
             # now; the late rows' commit once they are planned (before the firing: in a small batch the late
             # table's commit was the last to end); the store's write once the firing is planned; the fired
             # windows and their commit on this thread. None of them reads what another adds.
             pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix=f"batch-{job.name}")
-            quarantined = pool.submit(lambda: self.write(
-                [Output(self.sinks.quarantine[s], batch.quarantine(s, commit.id, batch_id), n)
-                 for s, n in batch.quarantined_by_source.items()],
-                commit, batch_id))
+            quarantined = pool.submit(self._commit_quarantine if flush else self._keep_quarantine,
+                                      batch, commit, batch_id, prior)
             late = None
-            if batch.may_be_late():  # only a batch with events behind the watermark has late rows: counted as written
-                late = Output(self.sinks.late, batch.late(), None, span="window_start",
-                              expected=batch.late_candidates() * job.window.windows_per_event)
-                lated = pool.submit(self.write, [late], commit, batch_id)
+            late_name = self.sinks.late.table.name
+            kept_late = side.of_table(prior, late_name) if flush else []
+            may_be_late = batch.may_be_late()  # only a batch with events behind the watermark has late rows
+            if may_be_late or kept_late:
+                frame = batch.late() if may_be_late else None
+                expected = (batch.late_candidates() * job.window.windows_per_event if may_be_late else 0) \
+                    + sum(p.rows for p in kept_late)
+                if kept_late:
+                    earlier = side.read_pending(spark, kept_late)
+                    frame = earlier if frame is None else earlier.unionByName(frame)
+                if flush:  # counted as written
+                    late = Output(self.sinks.late, frame, None, span="window_start", expected=expected)
+                    lated = pool.submit(self.write, [late], commit, batch_id)
+                else:
+                    lated = pool.submit(side.write_pending, spark, self.layout, batch_id, late_name, frame,
+                                        expected <= SMALL_SIDE_ROWS)
             fired = batch.fire(w_out)
             stored = pool.submit(store.write, batch_id, fired.store)
             pool.shutdown(wait=False)
@@ -132,10 +228,22 @@ class WindowedHandler(Handler):
             tables = self.write(outputs, commit, batch_id)
             if main is not None:
                 written = main.rows or 0
-            if lated is not None:
+            keeping = list(prior)
+            n_late = 0
+            if lated is not None and flush:
                 tables.update(lated.result())
-            n_late = late.rows or 0 if late is not None else 0
-            tables.update(quarantined.result())
+                if may_be_late and late.rows:  # (the rows committed, less those kept by earlier batches)
+                    n_late = max(0, late.rows - sum(p.rows for p in kept_late))
+            elif lated is not None:
+                kept_now = lated.result()
+                if kept_now is not None:
+                    keeping.append(kept_now)
+                    n_late = kept_now.rows
+            if flush:
+                tables.update(quarantined.result())
+                keeping = []
+            else:
+                keeping.extend(quarantined.result())
             t = timed("commits", t)
             new_files = stored.result()
             events = sum(f.rows for f in new_files if f.kind == "ids")
@@ -144,8 +252,10 @@ class WindowedHandler(Handler):
             manifest, removed = maintain(job, store, new_files, compaction.result() if compaction else Compaction(), w_out)
             stats = replace(stats, events=events, duplicates=stats.events - events, late=n_late,
                             rows_written=written, rows_deleted=deleted, watermark_out_ms=w_out)
+            if flush:  # (this batch's own folder too: a first attempt that kept its side rows there)
+                removed = [*removed, *side.folders(prior), self.layout.side(batch_id, "").rstrip("/")]
             self.finish(batch_id, stats, previous, tables, started, store=manifest, removed=tuple(removed),
-                        state_rows=manifest.rows())
+                        state_rows=manifest.rows(), pending=tuple(keeping))
             if self._forced_ranges:  # ranges no window of which can fire any more are done with
                 open_after = [f.lo for f in manifest.of_kind("pieces")]
                 after = job.window.final_horizon_ms(w_out, job.watermark.allowed_lateness_ms, open_after)

@@ -65,7 +65,7 @@ class Sink(Protocol):
     def insert_missing(self, frame: DataFrame, on: Sequence[str], properties: Mapping[str, str]) -> None: ...
     def delete_keys(self, frame: DataFrame, on: Sequence[str], properties: Mapping[str, str]) -> None: ...
     def version(self) -> int | None: ...
-    def version_before(self, app_id: str, batch_id: int) -> int | None: ...
+    def version_before(self, app_id: str, batch_id: int, flush_kept: bool = False) -> int | None: ...
     def has_version(self, version: int) -> bool: ...
     def expire(self, retention_ms: int) -> tuple[int, int]: ...
     def tag(self, version: int, name: str) -> bool: ...
@@ -75,12 +75,21 @@ class Sink(Protocol):
     def delete_where(self, condition: str) -> None: ...
 
 
-def later_batch(commit_id: str | None, app_id: str, batch_id: int) -> bool:
-    """Whether ``commit_id`` (``<app id>:<batch>``) is a commit of ``app_id`` for a batch after ``batch_id``."""
-    if not commit_id or not commit_id.startswith(app_id + ":"):
+FLUSH = "~flush"  # commits of side rows outside a batch carry ``<app id>~flush:<batch>`` (``run.side``)
+
+
+def later_batch(commit_id: str | None, app_id: str, batch_id: int, flush_kept: bool = False) -> bool:
+    """Whether ``commit_id`` (``<app id>:<batch>``) is a commit of ``app_id`` for a batch after ``batch_id``. A commit
+    of side rows outside a batch (``<app id>~flush:<batch>``) is after it when made after a later batch, or after
+    this one while its record still keeps those rows (``flush_kept``: a commit that died before the record's
+    rewrite)."""
+    if not commit_id:
         return False
-    rest = commit_id[len(app_id) + 1:]
-    return rest.isdigit() and int(rest) > batch_id
+    for prefix, kept in ((app_id + ":", False), (app_id + FLUSH + ":", flush_kept)):
+        if commit_id.startswith(prefix):
+            rest = commit_id[len(prefix):]
+            return rest.isdigit() and (int(rest) > batch_id or (kept and int(rest) == batch_id))
+    return False
 
 
 # Messages of commit conflicts with another writer (a backfill beside the stream): retried.

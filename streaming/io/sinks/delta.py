@@ -321,12 +321,13 @@ class DeltaRsSink:
     def version(self) -> int | None:
         return self._dt().version() if self.exists() else None
 
-    def version_before(self, app_id: str, batch_id: int) -> int | None:
+    def version_before(self, app_id: str, batch_id: int, flush_kept: bool = False) -> int | None:
         """The version that holds this table as the stream ``app_id`` left it after batch ``batch_id``: the one
         before its first commit of a later batch, or the current version when it has none."""
         if not self.exists():
             return None
-        later = [h["version"] for h in self._dt().history() if later_batch(h.get(COMMIT_KEY), app_id, batch_id)]
+        later = [h["version"] for h in self._dt().history()
+                 if later_batch(h.get(COMMIT_KEY), app_id, batch_id, flush_kept)]
         return min(later) - 1 if later else self.version()
 
     def expire(self, retention_ms: int) -> tuple[int, int]:

@@ -190,7 +190,7 @@ class IcebergSink:
         rows = self.spark.sql(f"SELECT snapshot_id FROM {self.table.name}.refs WHERE name = 'main'").collect()
         return int(rows[0].snapshot_id) if rows else None
 
-    def version_before(self, app_id: str, batch_id: int) -> int | None:
+    def version_before(self, app_id: str, batch_id: int, flush_kept: bool = False) -> int | None:
         """The snapshot that holds this table as the stream ``app_id`` left it after batch ``batch_id``: the parent
         of its first commit of a later batch in the current lineage, or the current snapshot when it has none
         (None: the table was empty then)."""
@@ -200,9 +200,9 @@ class IcebergSink:
         rows = self.spark.sql(
             f"SELECT s.parent_id, s.summary['{COMMIT_KEY}'] AS c, h.made_current_at FROM {name}.snapshots s "
             f"JOIN {name}.history h ON s.snapshot_id = h.snapshot_id WHERE h.is_current_ancestor "
-            f"AND s.summary['{COMMIT_KEY}'] LIKE '{app_id}:%'"
+            f"AND s.summary['{COMMIT_KEY}'] LIKE '{app_id}%'"
         ).collect()
-        later = sorted((r for r in rows if later_batch(r.c, app_id, batch_id)), key=lambda r: r.made_current_at)
+        later = sorted((r for r in rows if later_batch(r.c, app_id, batch_id, flush_kept)), key=lambda r: r.made_current_at)
         if not later:
             return self.version()
         return None if later[0].parent_id is None else int(later[0].parent_id)
