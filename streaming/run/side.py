@@ -1,6 +1,6 @@
 """Side outputs on an interval: a windowed stream commits its late rows and quarantined lines every
-``side_outputs_every`` (default 10 s), as Flink's Iceberg sink commits on checkpoints, instead of with every batch
-(docs/design-side-outputs.md).
+``side_outputs_every`` (when set: the default 0 commits them with every batch), as Flink's Iceberg sink commits on
+checkpoints (docs/design-side-outputs.md).
 
 * A batch that does not commit them writes its side rows into its checkpoint (``side/<batch>/<table>``, Parquet,
   written by the executors) and its record lists them as ``pending``, with those of earlier batches.
