@@ -129,7 +129,7 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
     report.handler = handler
     if resuming and isinstance(handler, WindowedHandler):  # side rows a crash left in the checkpoint
         handler.settle(spark, say=_say(progress))
-    handler.expiry = snapshot_expiry(settings, job, sinks, say=(lambda text: print(text, flush=True)) if progress else None)
+    handler.expiry = snapshot_expiry(settings, job, sinks, say=_say(progress))
     writer = stream.writeStream.queryName(job.name).option("checkpointLocation", checkpoint).foreachBatch(handler)
     interval = trigger_interval(settings, job)
     if available_now and not _polls(job) and not _paced_tables(settings, job):

@@ -252,8 +252,10 @@ class WindowedHandler(Handler):
             manifest, removed = maintain(job, store, new_files, compaction.result() if compaction else Compaction(), w_out)
             stats = replace(stats, events=events, duplicates=stats.events - events, late=n_late,
                             rows_written=written, rows_deleted=deleted, watermark_out_ms=w_out)
-            if flush:  # (this batch's own folder too: a first attempt that kept its side rows there)
-                removed = [*removed, *side.folders(prior), self.layout.side(batch_id, "").rstrip("/")]
+            if flush:
+                removed = [*removed, *side.folders(prior)]
+                if batch_id == self._replay:  # (its own folder: a first attempt may have kept its side rows there)
+                    removed.append(self.layout.side(batch_id, "").rstrip("/"))
             self.finish(batch_id, stats, previous, tables, started, store=manifest, removed=tuple(removed),
                         state_rows=manifest.rows(), pending=tuple(keeping))
             if self._forced_ranges:  # ranges no window of which can fire any more are done with
