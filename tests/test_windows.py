@@ -164,6 +164,48 @@ def test_sessions_merge_and_retract_the_rows_they_absorb_then_later_events_go_as
     assert late == [("e9", "u1", T0 + 3 * MIN, T0 + 8 * MIN)] == sorted(truth.late)
 
 
+
+def by_sql(frame):
+    """A transform Spark sees as SQL over a view: nothing carries the original event through it."""
+    frame.createOrReplaceTempView("window_test_payments")
+    return frame.sparkSession.sql("SELECT user_id, event_time, event_id, amount FROM window_test_payments")
+
+
+@pytest.mark.parametrize("window", [Tumbling(timedelta(minutes=5)), Sliding(timedelta(minutes=4), timedelta(minutes=2)),
+                                    Session(timedelta(minutes=1))], ids=["tumbling", "sliding", "session"])
+@pytest.mark.parametrize("transform", [amounts, by_sql], ids=["select", "sql-view"])
+def test_late_rows_keep_the_event_as_it_first_arrived_and_its_file_whatever_the_transform(spark, lake_home, window,
+                                                                                           transform):
+    """A late row's ``event`` holds every field of the line that first delivered it (the transform keeps only
+    four) and ``source_file`` names that line's file, whether the transform passes rows through (a ``select``)
+    or is SQL over a view. Checked against the oracle's late (event, window) pairs and the landing files."""
+    import json
+    from dataclasses import replace
+
+    job = replace(job_for(window, timedelta(minutes=1)), transform=transform)
+    late_ones = [p(6, 3 * MIN, amount="7.25"), p(8, 30 * SEC, "u2", amount="1.50")]
+    batches = [
+        [p(1, 1 * MIN), p(2, 2 * MIN + 30 * SEC), p(3, 1 * MIN, "u2")],
+        [p(4, 4 * MIN + 10 * SEC), p(5, 9 * MIN + 20 * SEC, "u2")],
+        [*late_ones, p(7, 9 * MIN, "u2")],
+        [p(6, 3 * MIN, amount="7.25"), p(9, 13 * MIN, "u2")],  # e6 delivered again: its first file counts
+    ]
+    report, table, late = stream(spark, lake_home, job, batches)
+    truth = oracle_run(job, batches)
+    assert table == expected(truth)
+    assert late == sorted(truth.late) and {x[0] for x in late} == {"e6", "e8"}
+    rows = spark.sql(f"SELECT event_id, unix_millis(window_start) ws, source, source_file, event FROM {SINK}_late").collect()
+    assert sorted((r.event_id, r.ws) for r in rows) == sorted((x[0], x[2]) for x in late)
+    first = {e["event_id"]: e for e in late_ones}
+    for r in rows:
+        assert r.source == "payments" and r.source_file.endswith("/batch-0002.jsonl"), (r.event_id, r.source_file)
+        event = json.loads(r.event)
+        sent = first[r.event_id]
+        assert {k: event[k] for k in ("event_id", "user_id", "card_id", "merchant_id", "currency", "status")} == \
+            {k: sent[k] for k in ("event_id", "user_id", "card_id", "merchant_id", "currency", "status")}
+        assert Decimal(str(event["amount"])) == Decimal(str(sent["amount"]))
+
+
 # -- the reconciliation law ---------------------------------------------------------------
 
 @st.composite

@@ -40,6 +40,7 @@ from ..keyed import files as keys
 from ..declaration import KeyedJob
 from ..errors import DeclarationError
 from . import pyworkers
+from .carried import FILE, transformed_carrying
 from .jvm import parse_ddl
 from ..keyed.function import PROCESSING_TIME
 from ..keyed.runtime import KeyedRuntime
@@ -88,39 +89,6 @@ def key_buckets(record_buckets: int | None, has_record: bool, shuffle_partitions
     return BUCKETS_PER_PARTITION * max(1, shuffle_partitions)
 
 
-FILE = "_lakestream_file"  # an event's landing file and original fields, carried past the transform (``_Carrying``)
-
-
-class _Carrying(DataFrame):
-    """The frame a keyed job's transform receives in a stream: every frame made from it keeps :data:`FILE`,
-    so a late element can name its landing file and keep its original event whatever columns the transform
-    selects. A ``select`` that
-    would drop it gets it appended (a projection that cannot take it, an aggregate say, stays as written);
-    frames made another way (SQL over a view) do not carry it, and their late rows name no file."""
-
-    _KEEPING = frozenset({"select", "selectExpr"})
-
-    def __getattribute__(self, name):
-        attr = super().__getattribute__(name)
-        if name.startswith("_") or not callable(attr):
-            return attr
-
-        def carried(*args, **kwargs):
-            out = attr(*args, **kwargs)
-            if not isinstance(out, DataFrame):
-                return out
-            if name in _Carrying._KEEPING and FILE not in out.columns:
-                try:
-                    out = attr(*args, FILE if name == "selectExpr" else F.col(FILE), **kwargs)
-                except Exception:  # (not a row-for-row projection: nothing to carry the file through)
-                    return out
-            if FILE in out.columns:
-                out.__class__ = _Carrying
-            return out
-
-        return carried
-
-
 def transformed_events(job: KeyedJob, parsed: DataFrame, *, watermark: bool = False,
                        carry_file: bool = False) -> DataFrame:
     """The job's transform over the valid events of ``parsed``; ``carry_file``: with :data:`FILE` (the event's
@@ -131,12 +99,11 @@ def transformed_events(job: KeyedJob, parsed: DataFrame, *, watermark: bool = Fa
         valid = valid.withWatermark(job.source.event_time, f"{job.watermark.out_of_orderness_ms} milliseconds")
     if carry_file and "source_file" in valid.columns:
         fields = [n for n in dict.fromkeys(n for s in job.sources for n in s.field_names) if n in valid.columns]
-        valid = valid.withColumn(FILE, F.struct(F.col("source_file").alias("f"),
-                                                F.to_json(F.struct(*[F.col(n) for n in fields])).alias("e")))
-        valid.__class__ = _Carrying
-    out = job.transform(valid)
-    if isinstance(out, _Carrying):
-        out.__class__ = DataFrame
+        out = transformed_carrying(valid, F.struct(F.col("source_file").alias("f"),
+                                                   F.to_json(F.struct(*[F.col(n) for n in fields])).alias("e")),
+                                   job.transform)
+    else:
+        out = job.transform(valid)
     missing = [c for c in (*job.keys, job.source.event_time, job.source.dedup_key) if c not in out.columns]
     if missing:
         raise DeclarationError(

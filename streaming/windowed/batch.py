@@ -46,6 +46,7 @@ from ..checkpoint.store import Store, bucket_of, id_hashes
 from ..declaration import WindowedJob
 from ..errors import DeclarationError
 from ..io.parse import ARRIVAL, parse_sources
+from ..spark.carried import FILE, transformed_carrying
 from ..spark.columns import as_param, group, in_set, once, param, select
 from ..spark.jvm import cached_leaf, collect_arrow, estimated_bytes, plan_now, referenced_columns
 from ..spark.metrics import observe, observed, packed
@@ -465,14 +466,24 @@ class WindowedBatch:
         return as_param(we + F.lit(self.job.watermark.allowed_lateness_ms)) <= param(self.watermark_in_ms)
 
     def windowed(self) -> DataFrame:
-        """Transformed events with their windows and a ``_late`` flag (one row per event and window)."""
+        """Transformed events with their windows and a ``_late`` flag (one row per event and window). A stream's
+        rows also carry what a late row keeps of the event as it arrived (:data:`FILE`: its source, file and
+        fields as JSON), where the transform keeps rows as they are; read only by :meth:`late`, which Spark's
+        column pruning leaves out of every other plan."""
         if self._windowed is None:
-            self._windowed = self._with_windows(self.events())
+            self._windowed = self._with_windows(self.events(), carry=not self.bounded)
         return self._windowed
 
-    def _with_windows(self, events: DataFrame) -> DataFrame:
+    def _with_windows(self, events: DataFrame, carry: bool = False) -> DataFrame:
         job = self.job
-        measured = job.transform(events)
+        if carry:
+            original = once("original event", lambda: F.struct(
+                F.col("source").alias("s"), F.col("source_file").alias("f"),
+                F.to_json(F.struct(*[F.col(f) for f in dict.fromkeys(n for s in job.sources for n in s.field_names)]))
+                .alias("e")), job)
+            measured = transformed_carrying(events, original, job.transform)
+        else:
+            measured = job.transform(events)
         once("transform output checked", lambda: _check_transform_output(job, measured.columns), job)
         one = once("one window", lambda: job.window.one_window(F.unix_millis(F.col(job.source.event_time))), job)
         if one is None:
@@ -487,10 +498,23 @@ class WindowedBatch:
         return self.watermark_in_ms - self.job.watermark.allowed_lateness_ms
 
     def late(self) -> DataFrame:
-        """Late side output: the event, the window it missed, the watermark and by how much. Built from the
-        events that can be late alone (before :meth:`late_horizon_ms`: in a stream, a handful per batch), so
-        the transform, the windows and the join with the original events cost what the late events bring."""
+        """Late side output: the event, the window it missed, the watermark and by how much. The (event, window)
+        rows of :meth:`windowed` flagged late, with the originals they carried: one job, whose filter Spark
+        evaluates before the transform's projections, so those cost what the late events bring. A transform
+        that carries nothing through (an aggregate, SQL over a view): built from the events that can be late
+        alone (before :meth:`late_horizon_ms`: in a stream, a handful per batch), joined with their originals."""
         job, key = self.job, self.job.source.dedup_key
+        t_ms = F.unix_millis(F.col(job.source.event_time))
+        windowed = self.windowed()
+        if FILE in windowed.columns:
+            original = F.col(FILE)
+            return windowed.where(F.col("_late")).select(
+                *job.keys, F.col(key), F.col(job.source.event_time),
+                F.timestamp_millis(F.col(WS)).alias("window_start"), F.timestamp_millis(F.col(WE)).alias("window_end"),
+                F.lit(self.watermark_in_ms).cast("long").alias("watermark_ms"),
+                (F.lit(self.watermark_in_ms) - t_ms).cast("long").alias("late_by_ms"),
+                original["s"].alias("source"), original["f"].alias("source_file"), original["e"].alias("event"),
+            )
         fields = [f for f in dict.fromkeys(n for s in job.sources for n in s.field_names)]
         candidates = self.events().where(as_param(F.col("event_time_ms")) < param(self.late_horizon_ms()))
         originals = candidates.select(
@@ -499,7 +523,6 @@ class WindowedBatch:
         )
         missed = self._with_windows(candidates).where(F.col("_late")).select(*job.keys, key, job.source.event_time, WS, WE)
         joined = missed.join(F.broadcast(originals), missed[key] == originals["_id"], "left")
-        t_ms = F.unix_millis(F.col(job.source.event_time))
         return joined.select(
             *job.keys, F.col(key), F.col(job.source.event_time),
             F.timestamp_millis(F.col(WS)).alias("window_start"), F.timestamp_millis(F.col(WE)).alias("window_end"),
