@@ -171,14 +171,20 @@ def by_sql(frame):
     return frame.sparkSession.sql("SELECT user_id, event_time, event_id, amount FROM window_test_payments")
 
 
+def by_position(frame):
+    """A transform that renames the payment's columns by position: it cannot take an extra column."""
+    return frame.select("event_id", "event_time", "user_id", "amount").toDF("event_id", "event_time", "user_id", "amount")
+
+
 @pytest.mark.parametrize("window", [Tumbling(timedelta(minutes=5)), Sliding(timedelta(minutes=4), timedelta(minutes=2)),
                                     Session(timedelta(minutes=1))], ids=["tumbling", "sliding", "session"])
-@pytest.mark.parametrize("transform", [amounts, by_sql], ids=["select", "sql-view"])
+@pytest.mark.parametrize("transform", [amounts, by_sql, by_position], ids=["select", "sql-view", "by-position"])
 def test_late_rows_keep_the_event_as_it_first_arrived_and_its_file_whatever_the_transform(spark, lake_home, window,
                                                                                            transform):
     """A late row's ``event`` holds every field of the line that first delivered it (the transform keeps only
     four) and ``source_file`` names that line's file, whether the transform passes rows through (a ``select``)
-    or is SQL over a view. Checked against the oracle's late (event, window) pairs and the landing files."""
+    or is SQL over a view, or renames its columns by position (it cannot take the carried column). Checked
+    against the oracle's late (event, window) pairs and the landing files."""
     import json
     from dataclasses import replace
 

@@ -45,10 +45,15 @@ class Carrying(DataFrame):
 
 def transformed_carrying(frame: DataFrame, original: Column, transform: Callable[[DataFrame], DataFrame]) -> DataFrame:
     """``transform(frame)``, with ``original`` (a struct of what a late row needs of the event as it arrived) as
-    :data:`FILE` wherever the transform keeps rows as they are. The result is a plain frame."""
+    :data:`FILE` wherever the transform keeps rows as they are. The result is a plain frame. A transform that
+    refuses the extra column (one that renames every column by position, say) gets ``frame`` as it is, and its
+    output carries nothing."""
     carrying = frame.withColumn(FILE, original)
     carrying.__class__ = Carrying
-    out = transform(carrying)
+    try:
+        out = transform(carrying)
+    except Exception:  # noqa: BLE001 - the transform's own error, if any, comes again from the plain frame
+        return transform(frame)
     if isinstance(out, Carrying):
         out.__class__ = DataFrame
     return out
