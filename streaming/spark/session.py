@@ -185,7 +185,7 @@ def spark_conf(settings: Settings) -> dict[str, str]:
         # A local master's JVM collects its garbage with the throughput collector: on this machine's two cores
         # a backfill of 1M payments took 0.90x the time of the default G1, an available-now run 0.93x, and a
         # continuous stream at 5k payments/s ran its batches ~7% closer together (p99 latency 2.17 s against
-        # 2.29 s over 200 s); its cost is a full collection of ~0.2-0.35 s every ~2.5 minutes in such a stream,
+        # 2.29 s over 200 s); its cost is a full collection of ~0.2-0.3 s every ~25 s in such a stream (2026-11-30),
         # against G1's shorter pauses. `jvm_options` naming a collector (-XX:+UseG1GC) keeps that one; clusters
         # configure their executors' JVMs themselves.
         _java_options(conf, "-XX:+UseParallelGC")
