@@ -199,3 +199,23 @@ def test_a_local_master_uses_the_throughput_collector_unless_the_options_name_a_
     assert "UseParallelGC" not in options and "-XX:+UseG1GC" in options
     cluster = replace(settings, spark_master="spark://somewhere:7077")
     assert "UseParallelGC" not in spark_conf(cluster)["spark.driver.extraJavaOptions"]
+
+
+def test_a_local_master_starts_with_its_whole_heap_unless_the_options_size_it(tmp_path):
+    from dataclasses import replace
+
+    from streaming.spark.session import spark_conf
+
+    settings = Settings.load({"LAKESTREAM_HOME": str(tmp_path), "LAKESTREAM_CLASS_ARCHIVE": "0"})
+    options = spark_conf(settings)["spark.driver.extraJavaOptions"].split()
+    assert "-Xms4096m" in options and "-XX:MetaspaceSize=256m" in options  # (the default driver memory: 4g)
+    bigger = replace(settings, spark_conf={"spark.driver.memory": "6gb"})
+    assert "-Xms6144m" in spark_conf(bigger)["spark.driver.extraJavaOptions"].split()
+    bare = replace(settings, spark_conf={"spark.driver.memory": "2048"})  # (Spark reads a bare number as MiB)
+    assert "-Xms2048m" in spark_conf(bare)["spark.driver.extraJavaOptions"].split()
+    mine = replace(settings, jvm_options="-Xms1g -XX:MetaspaceSize=128m")
+    options = spark_conf(mine)["spark.driver.extraJavaOptions"].split()
+    assert [o for o in options if o.startswith("-Xms")] == ["-Xms1g"]
+    assert [o for o in options if "MetaspaceSize" in o] == ["-XX:MetaspaceSize=128m"]
+    cluster = replace(settings, spark_master="spark://somewhere:7077")
+    assert "-Xms" not in spark_conf(cluster)["spark.driver.extraJavaOptions"]

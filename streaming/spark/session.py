@@ -189,10 +189,27 @@ def spark_conf(settings: Settings) -> dict[str, str]:
         # against G1's shorter pauses. `jvm_options` naming a collector (-XX:+UseG1GC) keeps that one; clusters
         # configure their executors' JVMs themselves.
         _java_options(conf, "-XX:+UseParallelGC")
+    if settings.spark_master.startswith("local"):
+        _java_options(conf, local_heap_options(conf["spark.driver.memory"], conf["spark.driver.extraJavaOptions"]))
     archive = classarchive.use(settings, conf)
     if archive:
         _java_options(conf, f"-XX:SharedArchiveFile={archive} {classarchive.QUIET}")
     return conf
+
+
+def local_heap_options(memory: str, given: str) -> str:
+    """A local master's heap is the driver's whole memory from the start, its class metadata room 256 MB.
+    Grown on demand, ParallelGC keeps the old generation small: under a stream at 5k payments/s it collected the
+    whole heap (0.2-0.3 s, every thread stopped) every ~25 s, and twice at startup for class metadata; sized up
+    front, none in 105 s, the old generation filling at ~9 MB/s toward its ~2.7 GB (bench/HISTORY.md,
+    2026-11-30 morning). It costs resident memory (the old generation holds garbage longer: a stream's peak
+    ~2.9 GB instead of ~2.5 GB), so options that size the heap themselves (-Xms, -XX:MetaspaceSize) win."""
+    found = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)b?\s*", memory, re.IGNORECASE)
+    mb = int(found[1]) * {"k": 1 / 1024, "": 1, "m": 1, "g": 1024, "t": 1024 ** 2}[found[2].lower()] if found else 0
+    options = [] if "-Xms" in given or mb < 64 else [f"-Xms{int(mb)}m"]  # (Spark reads a bare number as MiB)
+    if "MetaspaceSize" not in given:
+        options.append("-XX:MetaspaceSize=256m")
+    return " ".join(options)
 
 
 def _java_options(conf: dict[str, str], options: str) -> None:
