@@ -201,9 +201,10 @@ def local_heap_options(memory: str, given: str) -> str:
     """A local master's heap is the driver's whole memory from the start, its class metadata room 256 MB.
     Grown on demand, ParallelGC keeps the old generation small: under a stream at 5k payments/s it collected the
     whole heap (0.2-0.3 s, every thread stopped) every ~25 s, and twice at startup for class metadata; sized up
-    front, none in 105 s, the old generation filling at ~9 MB/s toward its ~2.7 GB (bench/HISTORY.md,
-    2026-11-30 morning). It costs resident memory (the old generation holds garbage longer: a stream's peak
-    ~2.9 GB instead of ~2.5 GB), so options that size the heap themselves (-Xms, -XX:MetaspaceSize) win."""
+    front, one of ~0.5 s every ~3-4 minutes, the old generation filling at ~9-12 MB/s toward its ~2.7 GB
+    (bench/HISTORY.md, 2026-11-30 morning). It costs resident memory (the heap uses all it is given: a long
+    stream's process tree peaks at ~5 GB instead of ~2.5-3 GB), so options that size the heap (-Xms,
+    -XX:MetaspaceSize) win."""
     found = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)b?\s*", memory, re.IGNORECASE)
     mb = int(found[1]) * {"k": 1 / 1024, "": 1, "m": 1, "g": 1024, "t": 1024 ** 2}[found[2].lower()] if found else 0
     options = [] if "-Xms" in given or mb < 64 else [f"-Xms{int(mb)}m"]  # (Spark reads a bare number as MiB)
