@@ -235,3 +235,48 @@ def test_a_whole_file_delivered_again_in_a_later_batch_counts_once(spark, lake_h
     assert table == {k: (v["window_end"], v["events"], v["amount"]) for k, v in truth.table.items()}
     assert table[("u1", T0)][1] == 2 and not late
     assert any(joined) == (limit is not None or driver_lines is not None), "the batch with remembered ids took its path"
+
+
+@pytest.mark.parametrize("on_driver", [True, False], ids=["written-by-the-driver", "written-by-spark"])
+def test_the_ids_a_batch_remembers_are_its_first_deliveries_with_their_expiry(spark, lake_home, monkeypatch, on_driver):
+    """The store's ids of each batch (``checkpoint.store``): one per id the batch counts (its first delivery;
+    none of an id an earlier batch counted, whatever its event time now), in its event-time second, forgotten at
+    ``max(event time, W_in) + dedup_ttl``. A small batch's ids come from its statistics job and the driver writes
+    them; the Spark path (a frame over the events) must say the same. Checked against a plain-Python oracle."""
+    import pyarrow.parquet as pq
+
+    import streaming.windowed.batch as windowed_batch
+    from streaming.checkpoint.layout import Layout
+
+    made = []
+    on_the_driver = windowed_batch.WindowedBatch._ids_on_driver
+    monkeypatch.setattr(windowed_batch.WindowedBatch, "_ids_on_driver", (lambda self: (
+        lambda got: made.append(got is not None) or got)(on_the_driver(self))) if on_driver else (lambda self: None))
+    again = dict(p(2, 30 * SEC, "u2"), event_time=iso(T0 + 20 * SEC))  # e2 again, stamped earlier, in the same file
+    batches = [
+        [p(1, 1 * MIN + 500), p(2, 2 * MIN + 999, "u2"), again, p(3, 3 * MIN, "u3")],
+        [p(4, 4 * MIN + 1), dict(p(1, 1 * MIN), event_time=iso(T0 + 3 * MIN)), p(5, 4 * MIN + 2, "u2"), p(4, 4 * MIN + 1)],
+        [p(6, 40 * MIN, "u9"), p(7, 5 * MIN, "u3"), p(5, 41 * MIN, "u2"), p(8, 1 * MIN)],  # (e8: behind W_in)
+    ]
+    job = job_for(Tumbling(timedelta(minutes=5)), timedelta(minutes=10))
+    stream(spark, lake_home, job, batches)
+
+    ttl = int(job.dedup_ttl.total_seconds() * 1000)
+    seen, w_in, expected = set(), None, []
+    for events in batches:
+        counted = {}
+        for e in with_t(events):  # (in line order: one file per batch)
+            if e["event_id"] not in seen and e["event_id"] not in counted:
+                counted[e["event_id"]] = e["t_ms"]
+        expected.append(sorted((t // 1000, (t if w_in is None else max(t, w_in)) + ttl) for t in counted.values()))
+        seen |= set(counted)
+        top = max(e["t_ms"] for e in with_t(events)) - DELAY
+        w_in = top if w_in is None else max(w_in, top)
+    store = Path(Layout(lake_home.checkpoint_dir(job.name)).store.removeprefix("file:"))
+    got = []
+    for batch in range(len(batches)):
+        table = pq.read_table(store / str(batch) / "ids").to_pandas()
+        assert not table.duplicated(["_h1", "_h2"]).any()
+        got.append(sorted(zip(table["_b"].tolist(), table["_expires_ms"].tolist())))
+    assert got == expected
+    assert made == ([True] * len(batches) if on_driver else []), "each batch's ids took the path asked for"

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
+import pyarrow as pa
 from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -140,8 +141,8 @@ class Store:
     def write(self, batch_id: int, frames: dict[str, DataFrame], folder: str | None = None) -> list[StoreFile]:
         """Write the frames of every kind as ``<folder>/<kind>`` (default ``store/<batch>``; a replay of
         the batch replaces the folder), one concurrent Spark job per kind: small batches are bound by
-        per-job latency, which concurrent jobs overlap. Returns the new files; a kind without rows
-        writes nothing."""
+        per-job latency, which concurrent jobs overlap. A kind given as an Arrow table (rows the driver
+        holds) is written without a job. Returns the new files; a kind without rows writes nothing."""
         from ..spark.hadoopfs import HadoopFS
 
         base = folder or self.layout.store_batch(batch_id)
@@ -156,7 +157,9 @@ class Store:
                 made = [f.result() for f in [pool.submit(self._write_kind, batch_id, base, k, v) for k, v in frames.items()]]
         return [f for f in made if f is not None]
 
-    def _write_kind(self, batch_id: int, base: str, kind: str, frame: DataFrame) -> StoreFile | None:
+    def _write_kind(self, batch_id: int, base: str, kind: str, frame: DataFrame | pa.Table) -> StoreFile | None:
+        if isinstance(frame, pa.Table):
+            return self._write_table(batch_id, base, kind, frame)
         names = self.schemas[kind].names
         columns, metrics = once(("store write", kind, tuple(names)), lambda: (
             [F.col(n) for n in names], packed(_write_metrics(kind))))
@@ -171,8 +174,35 @@ class Store:
             expires_ms=int(got["expires"]), bucket_ms=BUCKET_MS, token=uuid.uuid4().hex,
         )
 
+    def _write_table(self, batch_id: int, base: str, kind: str, table: pa.Table) -> StoreFile | None:
+        """Rows the driver holds (a small batch's ids: ``WindowedBatch.new_ids``), written as Spark would write them,
+        one Parquet part in ``<base>/<kind>``, with no Spark job (through fsspec, as ``seen`` reads the ids)."""
+        import fsspec
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        if not table.num_rows:
+            return None
+        path = f"{base}/{kind}"
+        token = uuid.uuid4().hex
+        fs, root = fsspec.core.url_to_fs(path, **self.storage_options)
+        fs.makedirs(root, exist_ok=True)
+        pq.write_table(table.select(self.schemas[kind].names), f"{root}/part-00000-{token}.zstd.parquet", filesystem=fs,
+                       compression="zstd")
+        lo, hi, expires = _bounds(kind)
+        return StoreFile(
+            path=path, kind=kind, batch=batch_id, rows=table.num_rows, lo=int(pc.min(table[lo]).as_py()),
+            hi=int(pc.max(table[hi]).as_py()), expires_ms=int(pc.max(table[expires]).as_py()), bucket_ms=BUCKET_MS,
+            token=token,
+        )
+
+
+def _bounds(kind: str) -> tuple[str, str, str]:
+    """The columns of a file's ``lo``, ``hi`` and ``expires_ms`` (see :class:`StoreFile`)."""
+    return ("_b", "_b", "_expires_ms") if kind == "ids" else ("ws", "we", "we")
+
 
 def _write_metrics(kind: str) -> list[F.Column]:
-    lo, hi, expires = ("_b", "_b", "_expires_ms") if kind == "ids" else ("ws", "we", "we")
+    lo, hi, expires = _bounds(kind)
     return [F.count(F.lit(1)).alias("rows"), F.min(lo).alias("lo"), F.max(hi).alias("hi"),
             F.max(expires).alias("expires")]

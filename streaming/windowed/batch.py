@@ -34,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, Observation
 from pyspark.sql import functions as F
@@ -42,7 +43,7 @@ from pyspark.sql.window import Window
 
 from ..checkpoint.records import BatchStats
 from ..checkpoint.seen import SEEN_SCHEMA, lookup, remembered_on_driver
-from ..checkpoint.store import Store, bucket_of, id_hashes
+from ..checkpoint.store import BUCKET_MS, IDS_SCHEMA, Store, bucket_of, id_hashes
 from ..declaration import WindowedJob
 from ..errors import DeclarationError
 from ..io.parse import ARRIVAL, parse_sources
@@ -130,6 +131,8 @@ SMALL_BATCH_LINES = 100_000
 INTERPRETED_BATCH_LINES = 20_000
 _TYPES: dict[tuple, dict[str, T.DataType]] = {}
 _UNKNOWN = object()  # (not found yet)
+_IDS_ARROW = pa.schema([(f.name, pa.int64()) for f in IDS_SCHEMA.fields])
+_NO_TIME = np.iinfo(np.int64).min  # a valid line without an event time, among the ids the statistics bring
 _OBSERVATIONS = itertools.count()
 
 
@@ -157,6 +160,7 @@ class WindowedBatch:
     _events: DataFrame | None = None
     _repeats: tuple[list[int], list[int], list[int]] | None | object = _UNKNOWN
     _remembered_found: tuple[list[int], list[int]] | None = None  # remembered ids found by the statistics job (``_h1``, ``_h2``)
+    _batch_ids: np.ndarray | None = None  # the valid lines' hashes, arrival, line and event time (``_stats_and_ids``)
     _observation: Observation | None = None
     _counting: Future | None = None  # bounded: the lines' count, running (see :meth:`count`)
     _lines_seen: Observation | None = None
@@ -362,8 +366,6 @@ class WindowedBatch:
         each, as Arrow), and the driver finds both the repeated ids and the remembered ones (as
         :meth:`_stats_and_ids` does): no lookup job, no cache of the events. Paced 50k-line batches with
         late events, alternated whole processes: 0.94 of the wall time of a lookup job of their own."""
-        import pyarrow as pa
-
         got = collect_arrow(self._repeats_frame(lines, every=True))
         table = pa.Table.from_batches(got) if got else None
         if table is None or not table.num_rows:
@@ -383,26 +385,29 @@ class WindowedBatch:
             self._remembered_found = (h1[found].tolist(), h2[found].tolist())
 
     def _stats_and_ids(self):
-        """A stream's batch of ordinary size: the statistics job also brings each valid line's id hashes, arrival
-        and line number (32 bytes a line, up to ``DRIVER_LOOKUP_LINES`` lines), and the driver finds the ids
+        """A stream's batch of ordinary size: the statistics job also brings each valid line's id hashes, arrival,
+        line number and event time (40 bytes a line, up to ``DRIVER_LOOKUP_LINES`` lines), and the driver finds the ids
         delivered more than once (:func:`first_deliveries`) and, with a store of remembered ids, looks the ids
         up in its own index of them (``checkpoint.seen``, as the executors' lookup does). One job of the JVM alone:
         the events are then the cached lines filtered where they are, read again by each output, with no
         shuffle and sort of every event by its id and no cache of them (whose eager planning alone took ~0.15 s
-        of the driver's time per batch under the latency feed). A batch with more valid lines brings no ids: it
-        finds its repeats in a job of its own (:meth:`repeats`), and its events join the executors' lookup."""
+        of the driver's time per batch under the latency feed); the ids the batch remembers are written from the
+        driver (:meth:`new_ids`). A batch with more valid lines brings no ids: it finds its repeats in a job of its
+        own (:meth:`repeats`), and its events join the executors' lookup."""
         job = self.job
         ids = once("batch ids", lambda: [F.when(F.count(F.when(self._valid(), 1)) <= F.lit(DRIVER_LOOKUP_LINES), F.flatten(
-            F.collect_list(F.when(self._valid(), F.array(*id_hashes(F.col(job.source.dedup_key)), F.col(ARRIVAL), F.col(TAG))))
+            F.collect_list(F.when(self._valid(), F.array(*id_hashes(F.col(job.source.dedup_key)), F.col(ARRIVAL), F.col(TAG),
+                                                          F.coalesce(F.unix_millis(job.source.event_time), F.lit(_NO_TIME)))))
         )).alias("_ids")], job)
         row = self._numbered(self._lines()).agg(*self._stat_columns(), *ids).first()
         flat = row["_ids"]
         if flat is not None:
-            lines = np.asarray(flat, dtype=np.int64).reshape(-1, 4)
+            lines = np.asarray(flat, dtype=np.int64).reshape(-1, 5)
             h1, h2 = lines[:, 0], lines[:, 1]
             self._repeats = first_deliveries(h1, h2, lines[:, 2], lines[:, 3])
             if self.store is not None and self.store.id_files():
                 self._remembered_by_driver(h1, h2)
+            self._batch_ids = lines
         return row
 
     def repeats(self) -> tuple[list[int], list[int], list[int]] | None:
@@ -452,12 +457,40 @@ class WindowedBatch:
         """Bounded: the events the firing read (after an action over :meth:`fire`'s rows has run)."""
         return int(observed(self._observation)["n"] or 0)
 
-    def new_ids(self) -> DataFrame:
-        """The ids this batch brings, with when they are forgotten: ``max(event time, W_in) + dedup_ttl``."""
+    def new_ids(self) -> DataFrame | pa.Table:
+        """The ids this batch brings, with when they are forgotten: ``max(event time, W_in) + dedup_ttl``. A batch
+        whose statistics brought its ids finds them on the driver, as :meth:`events` filters them (an Arrow table:
+        the store writes it without a Spark job); other batches as a frame over :meth:`events`."""
+        found = self._ids_on_driver()
+        if found is not None:
+            return found
         t, bucket, hashes = once("new ids", lambda: (
             F.col("event_time_ms"), bucket_of(F.col("event_time_ms")).alias("_b"), [F.col("_h1"), F.col("_h2")]))
         expires = F.greatest(as_param(t), param(self.watermark_in_ms)).cast("long") + F.lit(self.ttl_ms)
         return self.events().select(bucket, *hashes, expires.alias("_expires_ms"))
+
+    def _ids_on_driver(self) -> pa.Table | None:
+        """:meth:`new_ids` from the ids the statistics job brought (:meth:`_stats_and_ids`), kept by the same tests
+        as :meth:`events` applies to the lines: the first delivery of each repeated id (``repeats``), none that
+        the store remembers (``_remembered_found``). None when the batch did not bring them or filters otherwise
+        (too many repeats or remembered ids: a shuffle or the executors' lookup), or when a line has no event time."""
+        lines, repeats = self._batch_ids, self._repeats
+        if lines is None or self.bounded or self.event_range_ms is not None or repeats is None or repeats is _UNKNOWN:
+            return None
+        remembered = self._remembered_found
+        if remembered is None and self.store is not None and self.store.id_files():
+            return None
+        h1, h2, tag, t = lines[:, 0], lines[:, 1], lines[:, 3], lines[:, 4]
+        if (t == _NO_TIME).any():
+            return None
+        keep = np.ones(len(lines), dtype=bool)
+        if repeats[0]:  # (the frame's test: ``~(h1 in R1 & h2 in R2) | line in kept``)
+            keep &= ~(np.isin(h1, repeats[0]) & np.isin(h2, repeats[1])) | np.isin(tag, repeats[2])
+        if remembered is not None and remembered[0]:
+            keep &= ~(np.isin(h1, remembered[0]) & np.isin(h2, remembered[1]))
+        t = t[keep]
+        expires = np.maximum(t, np.int64(self.watermark_in_ms)) + np.int64(self.ttl_ms)
+        return pa.table([np.floor_divide(t, BUCKET_MS), h1[keep], h2[keep], expires], schema=_IDS_ARROW)
 
     def _late_condition(self, we: Column | None = None) -> Column:
         if self.bounded:
