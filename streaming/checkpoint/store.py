@@ -102,7 +102,8 @@ def bucket_of(t_ms: F.Column) -> F.Column:
 
 
 class Store:
-    """Read and write one stream's store (all on Spark: files are read and written by executors)."""
+    """Read and write one stream's store (on Spark: files are read and written by executors; a small batch's ids,
+    which its driver holds already, are written by the driver)."""
 
     def __init__(self, spark, layout: Layout, manifest: Manifest | None, schemas: dict[str, T.StructType],
                  storage_options: Mapping[str, Any] | None = None):
