@@ -66,6 +66,14 @@ def test_the_first_process_records_the_archive_and_later_ones_map_it(tmp_path):
     fourth, _ = _run(tmp_path)
     assert _option(fourth["args"], "SharedArchiveFile") == str(archives[0])
 
+    # A flight recording (a profiler's hook on class loading) with the archive mapped crashed Java 17 at startup:
+    # such a JVM starts without it, and records nothing.
+    recording = tmp_path / "run.jfr"
+    profiled, _ = _run(tmp_path, LAKESTREAM_JVM_OPTIONS=f"-XX:StartFlightRecording=filename={recording},duration=60s")
+    assert profiled["sum"] == sum(range(1000))
+    assert _option(profiled["args"], "SharedArchiveFile") is None and _option(profiled["args"], "ArchiveClassesAtExit") is None
+    assert recording.is_file()
+
     off, err = _run(tmp_path, LAKESTREAM_CLASS_ARCHIVE="0")
     assert off["sum"] == sum(range(1000))
     assert _option(off["args"], "SharedArchiveFile") is None and _option(off["args"], "ArchiveClassesAtExit") is None
@@ -109,3 +117,20 @@ def test_an_archive_others_can_write_or_of_another_size_is_not_mapped(tmp_path):
     recording.archive.with_suffix(".size").write_text("99\n")
     assert classarchive.use(settings, conf) is None
     assert "SharedArchiveFile" not in spark_conf(settings)["spark.driver.extraJavaOptions"]
+
+
+def test_a_jvm_under_a_flight_recording_or_an_agent_neither_maps_nor_records_the_archive(tmp_path):
+    from streaming.spark.session import spark_conf
+
+    settings = _settings(tmp_path)
+    conf = spark_conf(settings)
+    recording = classarchive.record(settings, conf)
+    recording.archive.write_bytes(b"x" * 100)
+    recording.archive.with_suffix(".size").write_text("100\n")
+    os.chmod(recording.archive, 0o644)
+    recording.lock.unlink()
+    for hook in ("-XX:StartFlightRecording=duration=30s", "-javaagent:/opt/agent.jar", "-agentpath:/opt/libprof.so",
+                 "-agentlib:jdwp=transport=dt_socket"):
+        hooked = {**conf, "spark.driver.extraJavaOptions": f"-Xss4m {hook}"}
+        assert classarchive.use(settings, hooked) is None and classarchive.record(settings, hooked) is None
+    assert classarchive.use(settings, {**conf, "spark.driver.extraJavaOptions": "-Xss4m -XX:+UseG1GC"}) == str(recording.archive)

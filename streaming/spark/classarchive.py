@@ -18,7 +18,8 @@ long-lived process (a test session) should not, as its archive would be written 
 Safety: a truncated archive crashes the JVM that maps it, so an archive is written under a temporary name,
 checked by a Java run that maps it, and only then renamed into place (atomic; a process that already
 mapped the older file keeps it); its size is kept beside it and an archive of another size is not mapped. One process records at a time (a lock file; a lock older than
-``_STALE_S`` is taken over). ``LAKESTREAM_CLASS_ARCHIVE=0`` turns all of it off.
+``_STALE_S`` is taken over). A JVM started with a flight recording or an agent (:data:`HOOKS`) neither maps nor records
+it. ``LAKESTREAM_CLASS_ARCHIVE=0`` turns all of it off.
 """
 
 from __future__ import annotations
@@ -69,8 +70,27 @@ def digest(conf: dict[str, str], java: str) -> str:
     return h.hexdigest()[:16]
 
 
+# Options that hook the JVM's loading of classes (a flight recording, a Java or native agent). Java 17 mapping the
+# archive under a flight recording crashed at startup (SIGSEGV in KlassFactory::check_shared_class_file_load_hook,
+# 2026-11-30): a process started with one of these neither maps nor records the archive.
+HOOKS = ("-XX:StartFlightRecording", "-XX:+FlightRecorder", "-javaagent:", "-agentlib:", "-agentpath:")
+
+
+def hooked(conf: dict[str, str]) -> str | None:
+    """The option of the driver's JVM that hooks its class loading, if any (see :data:`HOOKS`)."""
+    for option in conf.get("spark.driver.extraJavaOptions", "").split():
+        for hook in HOOKS:
+            if option.startswith(hook):
+                return hook.rstrip(":")
+    return None
+
+
 def _paths(settings, conf: dict[str, str]) -> tuple[Path, str] | None:
     if not settings.class_archive:
+        return None
+    hook = hooked(conf)
+    if hook is not None:
+        log.info("no class archive for a JVM started with %s: it starts ~3 s slower", hook)
         return None
     java = _java()
     if java is None:
