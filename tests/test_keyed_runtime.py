@@ -7,6 +7,7 @@ watermark Spark would hand it.
 
 from __future__ import annotations
 
+import pickle
 import random
 from datetime import timedelta
 
@@ -243,6 +244,47 @@ def test_remembered_ids_are_packed_and_still_catch_duplicates_whatever_the_ids_h
     r = rt.process(KEY, r.state, again + [(T0 + 20, "new", ("z",))], T0, 0)
     assert (r.inputs, r.duplicates) == (5, 4)
     assert KeyedRuntime.state_summary(r.state)["remembered_ids"] == 5
+
+
+@pytest.mark.parametrize("awkward", [False, True])
+def test_remembered_ids_answer_as_a_plain_dict_of_ids_and_expiries(awkward):
+    """A key's remembered ids (packed text, a set after many lookups, expiries cut off the front or filtered, ids
+    added in a call joined when stored) against a dict: random adds, lookups, expiries and store/load cycles, ids
+    in about time order with some out of order; ``awkward``: also ids that hold the separator or are not text
+    (they turn the set into a plain dict)."""
+    from streaming.keyed.runtime import _Seen
+
+    only_empty = _Seen(_Seen({"seen": {"": 5}}).packed())  # (its text is empty, and holds one id)
+    assert "" in only_empty and "x" not in only_empty
+    only_empty.add("x", 6)
+    assert "" in only_empty and "x" in only_empty and only_empty.as_dict() == {"": 5, "x": 6}
+    rng = random.Random(7 + awkward)
+    for _ in range(400):
+        seen, oracle, clock = _Seen({}), {}, 0
+        for _ in range(rng.randrange(150)):
+            what, a, b = rng.choice(["add", "add", "look", "expire", "store"]), rng.randrange(61), rng.randrange(41)
+            prefix = rng.choice(["", "id-", "ü", *(["\x1f"] if awkward else [])])
+            event_id = a if prefix == "\x1f" and b % 7 == 0 else "" if a == 0 else f"{prefix}{a}"  # (the empty id too)
+            if what == "add":
+                if event_id not in oracle:
+                    clock += (b % 5) * 5
+                    expiry = clock + 100 - (b % 3) * 15  # mostly increasing, some earlier than the ones before
+                    seen.add(event_id, expiry)
+                    oracle[event_id] = expiry
+            elif what == "look":
+                for probe in {event_id, f"{event_id}x", f"x{event_id}", f"{event_id}"[:-1], f"{event_id}"[1:]}:
+                    assert (probe in seen) == (probe in oracle), probe
+            elif what == "expire":
+                horizon = clock + b - 60
+                seen.expire(horizon)
+                oracle = {k: v for k, v in oracle.items() if v > horizon}
+            else:  # stored with the key's state and loaded by its next call
+                seen = _Seen(pickle.loads(pickle.dumps(seen.packed())))
+                assert seen.as_dict() == oracle
+            assert bool(seen) == bool(oracle)
+            if oracle:
+                assert seen.latest() == max(oracle.values())
+        assert seen.as_dict() == oracle and all(k in seen for k in oracle)
 
 
 def test_state_written_by_the_earlier_format_resumes_with_its_buffer_and_ids():

@@ -125,7 +125,7 @@ def test_buckets_kept_whole_in_sparks_state_move_to_key_files_and_the_stream_goe
     write_batches(landing, [[p(1, 0, "u1"), p(2, 30 * SEC, "u2")], [p(3, 1 * MIN, "u1"), p(4, 5 * MIN, "u3")],
                             [p(5, 10 * MIN, "u3")]])
     monkeypatch.setattr(keyed_spark, "group_state", legacy_group_state)
-    monkeypatch.setattr(keyed_run, "KEY_FILES_FORMAT", 3)  # (the earlier version's records)
+    monkeypatch.setattr(keyed_run, "KEY_DELTAS_FORMAT", 3)  # (the earlier version's records)
     run(spark, lake, job, available_now=True)
     monkeypatch.undo()
     shutil.rmtree(layout.keys)  # the earlier version had no key files: the state is in Spark's store alone
@@ -136,7 +136,7 @@ def test_buckets_kept_whole_in_sparks_state_move_to_key_files_and_the_stream_goe
     assert rows == [("u1", 2 * MIN, 2), ("u1", 3 * MIN, 2), ("u2", 2 * MIN + 30 * SEC, 1), ("u3", 7 * MIN, 1),
                     ("u3", 12 * MIN, 2)]  # count 2: the 05:00 payment, kept whole, survived the move
     latest = json.loads(max(Path(layout.batches).glob("*.json"), key=lambda f: int(f.stem)).read_text())
-    assert latest["format"] == 4  # an earlier version now refuses the checkpoint instead of finding no state
+    assert latest["format"] == 6  # an earlier version now refuses the checkpoint instead of finding no state (or ids)
     assert list(Path(layout.keys).rglob("*.parquet"))
 
 

@@ -65,7 +65,10 @@ KEY_FILES_FORMAT = 4
 # A windowed stream's record that holds side rows not committed yet (``pending``): an older lakestream would
 # not commit them, so it must refuse the record; a record without any is written in ``FORMAT``.
 PENDING_FORMAT = 5
-READABLE = (FORMAT, KEY_FILES_FORMAT, PENDING_FORMAT)
+# A keyed stream's records from the version whose key files may hold a key's state in part (the ids a batch added to
+# what the key remembered, ``keyed.files``): an older lakestream would take the part for the whole and forget ids.
+KEY_DELTAS_FORMAT = 6
+READABLE = (FORMAT, KEY_FILES_FORMAT, PENDING_FORMAT, KEY_DELTAS_FORMAT)
 
 
 @dataclass(frozen=True)

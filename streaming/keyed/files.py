@@ -3,7 +3,9 @@
 Spark's group state holds one small value per bucket of keys: the names of the bucket's live files, its
 earliest wake-up and how many keys it holds (``spark.keyed``). Each key's state bytes and wake-ups are rows
 of those files (Parquet: the pickled key, the state, the event-time and processing-time wake-ups; a row
-without state is a tombstone), newest file last. A bucket's call reads the rows of the keys it runs from
+without state is a tombstone), newest file last. A row may hold part of the key's state and what the batch added
+to it (the remembered ids of the keyed runtime: a key keeps thousands, a batch adds a few), which the reader merges
+with the key's state before it. A bucket's call reads the rows of the keys it runs from
 this process's view of the bucket (:class:`BucketView`) and writes one file with the rows that changed.
 Every ``compact_after`` files (a little more or less per bucket, so buckets do not all merge in the same
 batch) the call writes the bucket's whole state as one file instead, and the older files are dropped.
@@ -29,12 +31,14 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 COMPACT_AFTER = 16  # files per bucket before its state is written as one file
 IDLE_SECONDS = 1800  # a view not used this long (its stream stopped) is dropped
 
 Row = tuple  # (state bytes, event-time wake-up ms or None, processing-time wake-up ms or None)
+# A key's state from its state before a call (None: it had none), the part of it the call stored and what it added
+Merge = Callable[[bytes | None, bytes, bytes], bytes]
 
 
 @dataclass
@@ -97,18 +101,22 @@ def _filesystem(root: str, options: Mapping[str, Any]):
     return fsspec.core.url_to_fs(root, **dict(options))
 
 
-def _read(fs, path: str) -> list[tuple[Any, Row | None]]:
+def _read(fs, path: str) -> list[tuple[Any, Row | None, bytes | None]]:
+    """A file's rows: (key, row or None, what the call added to the key's state before, or None: the row is whole)."""
     import pyarrow.parquet as pq
 
     table = pq.read_table(path, filesystem=fs)
     keys, states, wakes, pwakes = (table.column(c).to_pylist() for c in ("k", "s", "w", "p"))
-    return [(pickle.loads(k), None if s is None else (s, w, p)) for k, s, w, p in zip(keys, states, wakes, pwakes)]
+    added = table.column("a").to_pylist() if "a" in table.column_names else [None] * len(keys)
+    return [(pickle.loads(k), None if s is None else (s, w, p), a) for k, s, w, p, a in zip(keys, states, wakes, pwakes, added)]
 
 
-def view(root: str, bucket: Any, files: list[str], options: Mapping[str, Any]) -> BucketView:
+def view(root: str, bucket: Any, files: list[str], options: Mapping[str, Any],
+         merge: Merge | None = None) -> BucketView:
     """This process's view of ``bucket`` holding exactly ``files`` (names under ``root/<bucket>``), in order,
     taken for one call: until :func:`commit` the view counts as changing (a call that fails leaves it to be
-    rebuilt, whatever it had taken off its heap)."""
+    rebuilt, whatever it had taken off its heap). ``merge``: a key's state from its state before a row that holds
+    only part of it (see :func:`commit`)."""
     now = time.monotonic()
     with _LOCK:
         for stale in [k for k, v in _VIEWS.items() if now - v.used > IDLE_SECONDS]:
@@ -127,7 +135,12 @@ def view(root: str, bucket: Any, files: list[str], options: Mapping[str, Any]) -
                 raise FileNotFoundError(
                     f"key state file {root}/{bucket}/{name}, named by the checkpoint, is missing: restore a savepoint "
                     "of the job (lakestream savepoint restore) or start it from a new checkpoint") from None
-            for key, row in found:
+            for key, row, added in found:
+                if added is not None and row is not None:
+                    if merge is None:
+                        raise ValueError(f"key state file {root}/{bucket}/{name} holds partial rows: a merge is needed")
+                    before = current.rows.get(key)
+                    row = (merge(before[0] if before else None, row[0], added), row[1], row[2])
                 current._set(key, row)
             current.files.append(name)
     current.busy = True
@@ -153,14 +166,18 @@ def compact_after(bucket: Any, every: int | None = None) -> int:
     return max(1, every - spread // 2 + int(bucket) % spread)
 
 
-def commit(root: str, bucket: Any, current: BucketView, changed: Mapping[Any, Row | None],
+def commit(root: str, bucket: Any, current: BucketView, changed: Mapping[Any, tuple | None],
            options: Mapping[str, Any], *, whole: bool = False, every: int | None = None) -> list[str]:
     """Apply the rows of ``changed`` keys (None: the key is gone) to the view and write them as the bucket's
     next file; or, ``whole`` or once the bucket has ``compact_after(bucket, every)`` files, its whole state as one file (a
     bucket left without keys keeps no file). Returns the names of the files dropped (the bucket's files are
-    then ``current.files``)."""
+    then ``current.files``).
+
+    A changed row may carry a fourth value, what the file keeps of it: (part of the state, what the call added to
+    the state before it), which a reader's ``merge`` (see :func:`view`) turns back into the state. A key with an
+    event a second remembers thousands of ids: written whole, each batch that touches it would write them all."""
     for key, row in changed.items():
-        current._set(key, row)
+        current._set(key, None if row is None else row[:3])
     current._taken.clear()
     dropped: list[str] = []
     if not current.rows or whole or len(current.files) + 1 >= compact_after(bucket, every):
@@ -181,12 +198,16 @@ def _write(root: str, bucket: Any, rows: list[tuple[Any, Row | None]], options: 
     name = f"{uuid.uuid4().hex}.parquet"
     fs, base = _filesystem(f"{root}/{bucket}", options)
     fs.makedirs(base, exist_ok=True)
-    table = pa.table({
+    stored = [r[3] if r is not None and len(r) > 3 else None for _, r in rows]
+    columns = {
         "k": pa.array([pickle.dumps(k, protocol=pickle.HIGHEST_PROTOCOL) for k, _ in rows], pa.binary()),
-        "s": pa.array([None if r is None else r[0] for _, r in rows], pa.binary()),
+        "s": pa.array([None if r is None else part[0] if part else r[0] for (_, r), part in zip(rows, stored)], pa.binary()),
         "w": pa.array([None if r is None else r[1] for _, r in rows], pa.int64()),
         "p": pa.array([None if r is None else r[2] for _, r in rows], pa.int64()),
-    })
+    }
+    if any(stored):
+        columns["a"] = pa.array([part[1] if part else None for part in stored], pa.binary())
+    table = pa.table(columns)
     pq.write_table(table, f"{base}/{name}", filesystem=fs, compression="lz4")
     return name
 

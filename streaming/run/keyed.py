@@ -8,7 +8,7 @@ import time
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame
 
-from ..checkpoint.records import KEY_FILES_FORMAT, BatchStats, watermark_of
+from ..checkpoint.records import KEY_DELTAS_FORMAT, BatchStats, watermark_of
 from ..declaration import KeyedJob
 from ..time import advance
 from ..windowed.batch import SMALL_BATCH_LINES
@@ -63,7 +63,7 @@ class KeyedHandler(Handler):
                 watermark_in_ms=watermark_in, watermark_out_ms=watermark_out,
             )
             self.finish(batch_id, stats, previous, tables, started, key_buckets=self.key_buckets,
-                        bucket_labels=self.bucket_labels, removed=c.dropped, format=KEY_FILES_FORMAT)
+                        bucket_labels=self.bucket_labels, removed=c.dropped, format=KEY_DELTAS_FORMAT)
             timed("save record", t)
         finally:
             restore(spark, before)

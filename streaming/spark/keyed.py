@@ -477,7 +477,7 @@ class _Adapter:
                 if row is not None:
                     changed[key] = None
             else:
-                changed[key] = (result.state, result.wakeup_ms, result.processing_wakeup_ms)
+                changed[key] = (result.state, result.wakeup_ms, result.processing_wakeup_ms, result.stored)
         dropped = commit(changed) if commit is not None else []
         if inputs or rows or dropped:
             rows.side_row("stats", None, {"_s_in": inputs, "_s_dup": duplicates, "_s_max_t": max_t, "_s_wm": watermark,
@@ -574,7 +574,7 @@ def stream_frame(job: KeyedJob, parsed: DataFrame, buckets: int, labels: tuple[i
         if "s" in saved:  # a bucket kept whole in the group state (checkpoints before the key files)
             view = keys.adopt(store, bucket, {k: (v, saved["w"].get(k), saved["p"].get(k)) for k, v in saved["s"].items()})
         else:
-            view = keys.view(store, bucket, saved.get("f", []), options)
+            view = keys.view(store, bucket, saved.get("f", []), options, merge=KeyedRuntime.merged)
 
         def commit(changed: dict) -> list[str]:
             dropped = keys.commit(store, bucket, view, changed, options, whole="s" in saved, every=merge_after)
