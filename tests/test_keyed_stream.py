@@ -196,6 +196,23 @@ def test_a_new_keyed_stream_spreads_its_buckets_evenly_over_the_shuffle_partitio
         assert sorted(len(v) for v in per_partition.values()) == [keyed_spark.BUCKETS_PER_PARTITION] * partitions
 
 
+def test_a_keyed_streams_batch_after_a_small_one_runs_interpreted_and_after_a_large_one_compiled(spark):
+    """The next batch's stages run without generated code after a batch of at most INTERPRETED_BATCH_LINES lines, in
+    the stream's own session, until a larger batch puts the session's setting back (the results of such batches are
+    the other tests' oracles: their batches after the first are small)."""
+    from streaming.run.keyed import NEXT_INTERPRETED, KeyedHandler
+
+    session = spark.newSession()
+    (key, value), = NEXT_INTERPRETED.items()
+    session.conf.set(key, "true")
+    handler = KeyedHandler.__new__(KeyedHandler)  # (only its setting of the next plan)
+    handler._compiled = None
+    for interpreted, expected in ((True, value), (True, value), (False, "true"), (False, "true"), (True, value)):
+        handler._plan_next(session, interpreted=interpreted)
+        assert session.conf.get(key) == expected
+    assert spark.conf.get(key) != value  # another session's setting is its own
+
+
 def test_ttl_and_fired_timers_leave_no_state_behind(spark, lake):
     drop_job_tables(spark, namespaces=("test",))
     job = reminder_job(dedup_ttl=timedelta(minutes=1))  # ids are remembered (for dedup) one minute only
