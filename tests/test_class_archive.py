@@ -100,7 +100,8 @@ def test_one_process_records_at_a_time_and_a_dead_recorders_lock_is_taken_over(t
     assert classarchive.use(settings, conf) is None  # nothing published yet: nothing mapped
 
 
-def test_an_archive_others_can_write_or_of_another_size_is_not_mapped(tmp_path):
+def _published(tmp_path: Path):
+    """Settings, their Spark conf and a (tiny) archive published for them, as a recording leaves it."""
     from streaming.spark.session import spark_conf
 
     settings = _settings(tmp_path)
@@ -109,6 +110,13 @@ def test_an_archive_others_can_write_or_of_another_size_is_not_mapped(tmp_path):
     recording.archive.write_bytes(b"x" * 100)
     recording.archive.with_suffix(".size").write_text("100\n")
     os.chmod(recording.archive, 0o644)
+    return settings, conf, recording
+
+
+def test_an_archive_others_can_write_or_of_another_size_is_not_mapped(tmp_path):
+    from streaming.spark.session import spark_conf
+
+    settings, conf, recording = _published(tmp_path)
     assert classarchive.use(settings, conf) == str(recording.archive)
     assert "-XX:SharedArchiveFile=" in spark_conf(settings)["spark.driver.extraJavaOptions"]
     os.chmod(recording.archive, 0o666)
@@ -120,14 +128,7 @@ def test_an_archive_others_can_write_or_of_another_size_is_not_mapped(tmp_path):
 
 
 def test_a_jvm_under_a_flight_recording_or_an_agent_neither_maps_nor_records_the_archive(tmp_path):
-    from streaming.spark.session import spark_conf
-
-    settings = _settings(tmp_path)
-    conf = spark_conf(settings)
-    recording = classarchive.record(settings, conf)
-    recording.archive.write_bytes(b"x" * 100)
-    recording.archive.with_suffix(".size").write_text("100\n")
-    os.chmod(recording.archive, 0o644)
+    settings, conf, recording = _published(tmp_path)
     recording.lock.unlink()
     for hook in ("-XX:StartFlightRecording=duration=30s", "-javaagent:/opt/agent.jar", "-agentpath:/opt/libprof.so",
                  "-agentlib:jdwp=transport=dt_socket"):
