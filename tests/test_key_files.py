@@ -133,14 +133,14 @@ def test_keys_that_remember_many_ids_store_only_what_a_batch_added_and_read_back
                 states.pop(key, None)
             else:
                 states[key] = r.state
-                assert r.stored is not None and "ids" not in pickle.loads(r.stored[0])
+                assert r.stored is None or "ids" not in pickle.loads(r.stored[0])
         if rng.random() < 0.1:
             continue  # the call failed before it committed: the view was taken and is rebuilt next time
         keys.commit(root, 5, view, changed, {}, every=6)
         newest = pq.read_table(tmp_path / "keys" / "5" / view.files[-1]) if view.files else None
         if newest is not None and "a" in newest.column_names:
             partial += 1
-            parts = [pickle.loads(s) for s in newest.column("s").to_pylist() if s]
+            parts = [pickle.loads(s) for s, a in zip(newest.column("s").to_pylist(), newest.column("a").to_pylist()) if a]
             assert parts and not any("ids" in part or "seen" in part for part in parts)  # no remembered id in a part
         elif newest is not None:
             whole += 1

@@ -396,7 +396,10 @@ class KeyedRuntime:
                  "pt": sorted(self.timers.processing_timers), "buf": buffer}
         ids = seen.packed()
         result.state = pickle.dumps({**saved, **ids}, protocol=pickle.HIGHEST_PROTOCOL)
-        if seen.incremental and "ids" in ids:  # (the ids a call adds never expire in it: their expiry is past the horizon)
+        # Kept in part only when the call added less than half the key's ids (a key's first call, or a backlog, writes
+        # it whole: pickling its buffer and ids twice cost a first batch of 1,000 events per key ~45 % more in here).
+        # (The ids a call adds never expire in it: their expiry is past the horizon.)
+        if seen.incremental and "ids" in ids and 2 * len(seen.added) < len(seen.exp):
             result.stored = (pickle.dumps(saved, protocol=pickle.HIGHEST_PROTOCOL),
                              pickle.dumps((seen.added, seen.added_exp, horizon), protocol=pickle.HIGHEST_PROTOCOL))
 
