@@ -4,6 +4,7 @@ start afresh, and merges. A batch writes only the keys it touched."""
 
 from __future__ import annotations
 
+import functools
 import pickle
 import random
 
@@ -12,7 +13,11 @@ import pytest
 
 from streaming.keyed import KeyedProcessFunction, ValueStateDescriptor
 from streaming.keyed import files as keys
-from streaming.keyed.runtime import KeyedRuntime
+from streaming.keyed.runtime import KeyedRuntime, as_bytes
+
+
+def _loaded(state) -> dict:
+    return pickle.loads(as_bytes(state))
 
 
 def _truth_after(history: list[dict]) -> dict:
@@ -100,12 +105,15 @@ class _Counter(KeyedProcessFunction):
         return None
 
 
+@pytest.mark.parametrize("live", [False, True], ids=["bytes", "objects"])
 @pytest.mark.parametrize("seed", range(4))
-def test_keys_that_remember_many_ids_store_only_what_a_batch_added_and_read_back_whole(tmp_path, seed):
-    """The keyed runtime's remembered ids are most of a busy key's state: a key file keeps a key's state without
-    them and the ids the batch added (with the horizon it forgot older ones at), and a reader merges them into the
-    state before. Against the writer's own states: random events with re-deliveries and ids expiring, workers that
-    start afresh, calls that fail before they commit, replays from the batch before, merges of the files."""
+def test_keys_that_remember_many_ids_store_only_what_a_batch_added_and_read_back_whole(tmp_path, seed, live):
+    """The keyed runtime's remembered ids and buffered elements are most of a busy key's state: a key file keeps a
+    key's state without them and the ids and elements the batch added (with the horizon it forgot older ids at and
+    the watermark it delivered elements up to), and a reader merges them into the state before. Against the writer's
+    own states: random events (late, buffered, re-delivered) with ids expiring, workers that start afresh, calls that
+    fail before they commit, replays from the batch before, merges of the files. ``live``: the view keeps the states
+    of the keys a call ran as objects (as a stream's worker does), and merges into them."""
     rng = random.Random(seed)
     root = str(tmp_path / "keys")
     ttl = 8_000
@@ -119,21 +127,21 @@ def test_keys_that_remember_many_ids_store_only_what_a_batch_added_and_read_back
         if rng.random() < 0.1 and len(committed) > 1:  # a replay: the batch before's files, as Spark's state has them
             committed.pop()
             files, truth = committed[-1]
-        view = keys.view(root, 5, files, {}, merge=KeyedRuntime.merged)
-        assert {k: pickle.loads(r[0]) for k, r in view.rows.items()} == {k: pickle.loads(s) for k, s in truth.items()}
+        view = keys.view(root, 5, files, {}, merge=functools.partial(KeyedRuntime.merged, live=live))
+        assert {k: _loaded(r[0]) for k, r in view.rows.items()} == {k: _loaded(s) for k, s in truth.items()}
         watermark = batch * 1_000
         changed, states = {}, dict(truth)
         for key in rng.sample(range(12), rng.randrange(1, 8)):
             row = view.rows.get(key)
             events = [(watermark + rng.randrange(-2_000, 3_000), f"id-{key}-{rng.randrange(60)}", (1,))
                       for _ in range(rng.randrange(1, 25))]
-            r = rt.process((key,), row[0] if row else None, events, watermark, 0)
+            r = rt.process((key,), row[0] if row else None, events, watermark, 0, live=live)
             changed[key] = None if r.state is None else (r.state, r.wakeup_ms, None, r.stored)
             if r.state is None:
                 states.pop(key, None)
             else:
-                states[key] = r.state
-                assert r.stored is None or "ids" not in pickle.loads(r.stored[0])
+                states[key] = as_bytes(r.state)  # (as the call left it: objects change in the key's next call)
+                assert r.stored is None or not {"ids", "buf"} & set(pickle.loads(r.stored[0]))
         if rng.random() < 0.1:
             continue  # the call failed before it committed: the view was taken and is rebuilt next time
         keys.commit(root, 5, view, changed, {}, every=6)
@@ -141,9 +149,11 @@ def test_keys_that_remember_many_ids_store_only_what_a_batch_added_and_read_back
         if newest is not None and "a" in newest.column_names:
             partial += 1
             parts = [pickle.loads(s) for s, a in zip(newest.column("s").to_pylist(), newest.column("a").to_pylist()) if a]
-            assert parts and not any("ids" in part or "seen" in part for part in parts)  # no remembered id in a part
+            assert parts and not any({"ids", "seen", "buf"} & set(part) for part in parts)  # no id, no element in a part
         elif newest is not None:
             whole += 1
-        assert {k: pickle.loads(r[0]) for k, r in view.rows.items()} == {k: pickle.loads(s) for k, s in states.items()}
+        assert {k: _loaded(r[0]) for k, r in view.rows.items()} == {k: _loaded(s) for k, s in states.items()}
+        if live:  # (the view keeps objects for the keys this call ran, not for the others)
+            assert {k for k, r in view.rows.items() if not isinstance(r[0], bytes)} <= set(changed)
         committed.append((list(view.files), states))
     assert partial and whole  # batches wrote partial rows, and merges wrote every key whole

@@ -478,3 +478,39 @@ def test_elements_and_timers_reach_the_function_in_time_order_bounded_and_in_ran
     r = rt.process(KEY, state, [], T0 + 3_600_000, 0)
     calls += [o[:3] for o in r.outputs]
     assert calls == want
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_key_kept_as_objects_between_calls_runs_as_one_loaded_from_its_bytes(seed):
+    """A stream's worker keeps a key's state as the call left it (``Live``) instead of pickling it for the next call:
+    random elements (out of order, late, re-delivered), timers of both kinds and TTL expiries through two runtimes,
+    one handed its bytes each call and one its objects, with the objects' state sometimes written and read back as
+    bytes (a worker that starts afresh). Every output, late element, wake-up and state must agree. A state handed to
+    a call cannot be handed to another."""
+    from streaming.keyed.runtime import Live, as_bytes
+
+    rng = random.Random(seed)
+    by_bytes, by_objects = runtime(), runtime()
+    for _ in range(30):
+        state_b = state_o = None
+        watermark, now = T0, 100_000
+        for _ in range(rng.randrange(1, 25)):
+            events = [el(watermark + rng.randrange(-4_000, 20_000), rng.randrange(40),
+                         rng.choice(["a", "b", "timer", "ptimer"])) for _ in range(rng.randrange(6))]
+            rb = by_bytes.process(KEY, state_b, events, watermark, now)
+            handed = state_o
+            ro = by_objects.process(KEY, state_o, events, watermark, now, live=True)
+            if isinstance(handed, Live):
+                with pytest.raises(RuntimeError):
+                    by_objects.process(KEY, handed, [], watermark, now, live=True)
+            assert (ro.outputs, ro.late, ro.inputs, ro.duplicates, ro.max_event_time_ms, ro.wakeup_ms,
+                    ro.processing_wakeup_ms) == (rb.outputs, rb.late, rb.inputs, rb.duplicates, rb.max_event_time_ms,
+                                                 rb.wakeup_ms, rb.processing_wakeup_ms)
+            assert (ro.state is None) == (rb.state is None) and (ro.stored is None) == (rb.stored is None)
+            if rb.state is not None:
+                assert isinstance(ro.state, Live) and pickle.loads(as_bytes(ro.state)) == pickle.loads(rb.state)
+            state_b, state_o = rb.state, ro.state
+            if state_o is not None and rng.random() < 0.2:
+                state_o = bytes(state_o)
+            watermark += rng.randrange(0, 15_000)
+            now += rng.randrange(0, 4_000)

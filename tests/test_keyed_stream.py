@@ -136,7 +136,7 @@ def test_buckets_kept_whole_in_sparks_state_move_to_key_files_and_the_stream_goe
     assert rows == [("u1", 2 * MIN, 2), ("u1", 3 * MIN, 2), ("u2", 2 * MIN + 30 * SEC, 1), ("u3", 7 * MIN, 1),
                     ("u3", 12 * MIN, 2)]  # count 2: the 05:00 payment, kept whole, survived the move
     latest = json.loads(max(Path(layout.batches).glob("*.json"), key=lambda f: int(f.stem)).read_text())
-    assert latest["format"] == 6  # an earlier version now refuses the checkpoint instead of finding no state (or ids)
+    assert latest["format"] == 7  # an earlier version now refuses the checkpoint instead of finding no state (or ids)
     assert list(Path(layout.keys).rglob("*.parquet"))
 
 

@@ -67,8 +67,11 @@ KEY_FILES_FORMAT = 4
 PENDING_FORMAT = 5
 # A keyed stream's records from the version whose key files may hold a key's state in part (the ids a batch added to
 # what the key remembered, ``keyed.files``): an older lakestream would take the part for the whole and forget ids.
-KEY_DELTAS_FORMAT = 6
-READABLE = (FORMAT, KEY_FILES_FORMAT, PENDING_FORMAT, KEY_DELTAS_FORMAT)
+# 7: the part leaves out the key's buffered elements too (the ones a batch added, and the watermark it delivered up
+# to); a reader of 6 would take a part without elements for the whole.
+KEY_IDS_DELTAS_FORMAT = 6
+KEY_DELTAS_FORMAT = 7
+READABLE = (FORMAT, KEY_FILES_FORMAT, PENDING_FORMAT, KEY_IDS_DELTAS_FORMAT, KEY_DELTAS_FORMAT)
 
 
 @dataclass(frozen=True)

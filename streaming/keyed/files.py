@@ -36,9 +36,9 @@ from typing import Any, Callable, Mapping
 COMPACT_AFTER = 16  # files per bucket before its state is written as one file
 IDLE_SECONDS = 1800  # a view not used this long (its stream stopped) is dropped
 
-Row = tuple  # (state bytes, event-time wake-up ms or None, processing-time wake-up ms or None)
+Row = tuple  # (state, event-time wake-up ms or None, processing-time wake-up ms or None)
 # A key's state from its state before a call (None: it had none), the part of it the call stored and what it added
-Merge = Callable[[bytes | None, bytes, bytes], bytes]
+Merge = Callable[[Any, bytes, bytes], Any]
 
 
 @dataclass
@@ -52,12 +52,15 @@ class BucketView:
     _taken: set = field(default_factory=set)  # keys :meth:`due` took off the heap in the current call
     busy: bool = False  # a call took the view and has not committed: rebuilt before the next use
     used: float = field(default_factory=time.monotonic)
+    _live: set = field(default_factory=set)  # keys whose state is not bytes (see :func:`commit`)
 
     def _set(self, key, row: Row | None) -> None:
         before = self.rows.pop(key, None) if row is None else self.rows.get(key)
         if row is None:
             return
         self.rows[key] = row
+        if not isinstance(row[0], bytes):
+            self._live.add(key)
         if row[1] is not None and (before is None or before[1] != row[1] or key in self._taken):
             heapq.heappush(self._wakes, (row[1], next(self._order), key))
 
@@ -126,6 +129,7 @@ def view(root: str, bucket: Any, files: list[str], options: Mapping[str, Any],
             current = _VIEWS[(root, bucket)] = BucketView()
         current.used = now
     missing = files[len(current.files):]
+    current.busy = True  # (a read that fails leaves it to be rebuilt: some of a file's rows may be in it)
     if missing:
         fs, base = _filesystem(f"{root}/{bucket}", options)
         for name in missing:
@@ -143,7 +147,6 @@ def view(root: str, bucket: Any, files: list[str], options: Mapping[str, Any],
                     row = (merge(before[0] if before else None, row[0], added), row[1], row[2])
                 current._set(key, row)
             current.files.append(name)
-    current.busy = True
     return current
 
 
@@ -175,7 +178,16 @@ def commit(root: str, bucket: Any, current: BucketView, changed: Mapping[Any, tu
 
     A changed row may carry a fourth value, what the file keeps of it: (part of the state, what the call added to
     the state before it), which a reader's ``merge`` (see :func:`view`) turns back into the state. A key with an
-    event a second remembers thousands of ids: written whole, each batch that touches it would write them all."""
+    event a second remembers thousands of ids: written whole, each batch that touches it would write them all.
+
+    A state need not be bytes: a caller may keep a key's state as objects (any value ``bytes()`` turns into the
+    state's bytes) for the key's next call. The view keeps such states only for the keys this call changed or
+    merged: the others are turned into bytes here, so the objects held follow the batch, not the keys remembered."""
+    for key in current._live.difference(changed):
+        row = current.rows.get(key)
+        if row is not None and not isinstance(row[0], bytes):
+            current.rows[key] = (bytes(row[0]), *row[1:])
+    current._live.clear()
     for key, row in changed.items():
         current._set(key, None if row is None else row[:3])
     current._taken.clear()
@@ -201,7 +213,8 @@ def _write(root: str, bucket: Any, rows: list[tuple[Any, Row | None]], options: 
     stored = [r[3] if r is not None and len(r) > 3 else None for _, r in rows]
     columns = {
         "k": pa.array([pickle.dumps(k, protocol=pickle.HIGHEST_PROTOCOL) for k, _ in rows], pa.binary()),
-        "s": pa.array([None if r is None else part[0] if part else r[0] for (_, r), part in zip(rows, stored)], pa.binary()),
+        "s": pa.array([None if r is None else part[0] if part else _bytes(r[0]) for (_, r), part in zip(rows, stored)],
+                      pa.binary()),
         "w": pa.array([None if r is None else r[1] for _, r in rows], pa.int64()),
         "p": pa.array([None if r is None else r[2] for _, r in rows], pa.int64()),
     }
@@ -210,6 +223,10 @@ def _write(root: str, bucket: Any, rows: list[tuple[Any, Row | None]], options: 
     table = pa.table(columns)
     pq.write_table(table, f"{base}/{name}", filesystem=fs, compression="lz4")
     return name
+
+
+def _bytes(state) -> bytes:
+    return state if isinstance(state, bytes) else bytes(state)
 
 
 def path_of(root: str, bucket: Any, name: str) -> str:

@@ -56,13 +56,30 @@ class _Seen:
         self.added_exp: list[int] = []
         # Whether the ids after a call are those before it, expired, then the call's own: they were packed, or none
         self.incremental = "ids" in saved or not saved.get("seen")
+        self._load(saved)
+
+    def _load(self, saved: dict) -> None:
         self.exp = array("q")
+        self.text = ""
+        self._index = None
+        self._new = []
         if "ids" in saved:
             self.text = saved["ids"]
             self.exp.frombytes(saved["exp"])
-        else:  # format 1 (or ids that could not be packed)
-            self.text = ""
-            self.plain = dict(saved.get("seen", {}))
+        elif saved.get("seen"):  # format 1 (or ids that could not be packed)
+            self.plain = dict(saved["seen"])
+
+    def begin(self) -> None:
+        """Start a call on ids a call before it left (a key's :class:`Live` state): what the call adds is its own, and
+        ids kept as a dict are packed if they can be, as storing and loading them would."""
+        if self.plain is not None:
+            packed = self.packed()
+            if "ids" in packed:
+                self.plain = None
+                self._load(packed)
+        self._scans = 0
+        self.added, self.added_exp = [], []
+        self.incremental = self.plain is None or not self.plain
 
     def __bool__(self) -> bool:
         return bool(self.plain) if self.plain is not None else len(self.exp) > 0
@@ -161,6 +178,40 @@ class _Seen:
         return {"ids": ids, "exp": array("q", self.plain.values()).tobytes()}
 
 
+class Live:
+    """A key's state as a call left it, as objects: a stream's worker keeps it for the key's next call, which takes it
+    as it is instead of unpickling the key's bytes (and the call after it pickles nothing it does not write). A call
+    takes it over (:meth:`take`) and changes it in place, so a state is handed to one call only: a caller that may
+    have to run a key again from the same state (a failed call's replay) keeps the bytes (``bytes(state)``)."""
+
+    __slots__ = ("store", "et", "pt", "buf", "seen")
+
+    def __init__(self, store, et, pt, buf: list, seen: "_Seen"):
+        self.store = store  # a KeyStore, or its dump (a state merged from a key file, decoded when a call takes it)
+        self.et, self.pt, self.buf, self.seen = et, pt, buf, seen
+
+    def take(self) -> tuple:
+        if self.seen is None:
+            raise RuntimeError("this key state was handed to a call already; pass its bytes to run the key again")
+        parts = (self.store, self.et, self.pt, self.buf, self.seen)
+        self.store = self.et = self.pt = self.buf = self.seen = None
+        return parts
+
+    def saved(self) -> dict:
+        if self.seen is None:
+            raise RuntimeError("this key state was handed to a call already")
+        store = self.store.dump() if isinstance(self.store, KeyStore) else self.store
+        return {"format": STATE_FORMAT, "store": store, "et": sorted(self.et), "pt": sorted(self.pt), "buf": self.buf,
+                **self.seen.packed()}
+
+    def __bytes__(self) -> bytes:
+        return pickle.dumps(self.saved(), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def as_bytes(state: "bytes | Live") -> bytes:
+    return state if isinstance(state, bytes) else bytes(state)
+
+
 class _Timers(TimerService):
     """Timer sets with heaps for ordered firing (registration may happen while firing)."""
 
@@ -198,9 +249,10 @@ class KeyResult:
     inputs: int = 0
     duplicates: int = 0
     max_event_time_ms: int | None = None
-    state: bytes | None = None
-    # What a stream's key files keep of ``state`` (``keyed.files``): the state without its remembered ids, and the ids
-    # the call added with the horizon it forgot older ones at (see :meth:`KeyedRuntime.merged`); None: ``state`` whole
+    state: "bytes | Live | None" = None  # (a :class:`Live` state when the call was asked for one)
+    # What a stream's key files keep of ``state`` (``keyed.files``): the state without its remembered ids and buffered
+    # elements, and what the call added to them with the horizon it forgot older ids at and the watermark it delivered
+    # elements up to (see :meth:`KeyedRuntime.merged`); None: ``state`` whole
     stored: tuple[bytes, bytes] | None = None
     wakeup_ms: int | None = None  # event time at which the key needs the watermark to have arrived
     processing_wakeup_ms: int | None = None
@@ -229,22 +281,31 @@ class KeyedRuntime:
         self.decode = decode
 
     # -- one key -------------------------------------------------------------------------
-    def process(self, key: tuple, state: bytes | None, events: Iterable[tuple[int, str, tuple]],
+    def process(self, key: tuple, state: "bytes | Live | None", events: Iterable[tuple[int, str, tuple]],
                 watermark_ms: int, processing_time_ms: int, *, bounded: bool = False,
-                decoded: bool = False) -> KeyResult:
+                decoded: bool = False, live: bool = False) -> KeyResult:
         """``events``: (event time ms, dedup key, payload row) in arrival order; ``decoded``: their rows hold
         the values the function sees already (a binding that delivers every element in the same call, as a
-        bounded run does, decodes whole columns at once), and ``state`` buffers none.
+        bounded run does, decodes whole columns at once), and ``state`` buffers none. ``state``: the key's bytes, or
+        a :class:`Live` state, which the call takes over; ``live``: the result's state is one (else bytes).
 
         Stream: ``watermark_ms`` is the batch's watermark. Bounded: every element is on time and
         at the end every timer fires (``watermark_ms`` is ignored).
         """
-        saved = pickle.loads(state) if state else {}
-        store = KeyStore(saved.get("store"), self.codecs)
+        if isinstance(state, Live):
+            store, event_timers, processing_timers, buffer, seen = state.take()
+            if not isinstance(store, KeyStore):
+                store = KeyStore(store, self.codecs)
+            seen.begin()
+        else:
+            saved = pickle.loads(state) if state else {}
+            store = KeyStore(saved.get("store"), self.codecs)
+            event_timers, processing_timers = saved.get("et", ()), saved.get("pt", ())
+            buffer = saved.get("buf", [])
+            seen = _Seen(saved)
         self.holder.store = store
-        self.timers.load(saved.get("et", ()), saved.get("pt", ()))
-        buffer: list[tuple[int, str, tuple]] = saved.get("buf", [])
-        seen = _Seen(saved)
+        self.timers.load(event_timers, processing_timers)
+        waiting = len(buffer)  # (the elements buffered before the call: the call's own come after them)
         result = KeyResult()
         self.ctx.key = key
         self.timers.processing_time_ms = processing_time_ms
@@ -285,6 +346,7 @@ class KeyedRuntime:
                 buffer.append((t, event_id, row))
                 arrived = True
         result.inputs, result.duplicates, result.max_event_time_ms = inputs, duplicates, max_t
+        buffered = [] if bounded or not arrived else buffer[waiting:]
         if arrived:
             buffer.sort(key=_TIME_AND_ID)
 
@@ -303,7 +365,7 @@ class KeyedRuntime:
 
         store.expire(self.descriptors, horizon)
         seen.expire(horizon)
-        self._finish(result, store, buffer, seen, bounded, horizon)
+        self._finish(result, store, buffer, seen, bounded, horizon, buffered, limit, live)
         return result
 
     def _advance(self, buffer: list, limit: int, outputs: list, decode: Callable[[tuple], Sequence] | None) -> int:
@@ -375,7 +437,8 @@ class KeyedRuntime:
             raise ValueError(f"output row {values!r} has {len(values)} values; the output schema has {self.output_columns}")
         return values
 
-    def _finish(self, result: KeyResult, store: KeyStore, buffer: list, seen: _Seen, bounded: bool, horizon: int) -> None:
+    def _finish(self, result: KeyResult, store: KeyStore, buffer: list, seen: _Seen, bounded: bool, horizon: int,
+                buffered: list, limit: int, live: bool) -> None:
         if bounded:
             return
         pending = [buffer[0][0]] if buffer else []
@@ -392,37 +455,62 @@ class KeyedRuntime:
         if store.is_empty() and not buffer and not seen and not self.timers.event_timers and not self.timers.processing_timers:
             result.state = None
             return
-        saved = {"format": STATE_FORMAT, "store": store.dump(), "et": sorted(self.timers.event_timers),
-                 "pt": sorted(self.timers.processing_timers), "buf": buffer}
-        ids = seen.packed()
-        result.state = pickle.dumps({**saved, **ids}, protocol=pickle.HIGHEST_PROTOCOL)
+        core = {"format": STATE_FORMAT, "store": store.dump(), "et": sorted(self.timers.event_timers),
+                "pt": sorted(self.timers.processing_timers)}
         # Kept in part only when the call added less than half the key's ids (a key's first call, or a backlog, writes
         # it whole: pickling its buffer and ids twice cost a first batch of 1,000 events per key ~45 % more in here).
-        # (The ids a call adds never expire in it: their expiry is past the horizon.)
-        if seen.incremental and "ids" in ids and 2 * len(seen.added) < len(seen.exp):
-            result.stored = (pickle.dumps(saved, protocol=pickle.HIGHEST_PROTOCOL),
-                             pickle.dumps((seen.added, seen.added_exp, horizon), protocol=pickle.HIGHEST_PROTOCOL))
+        # (The ids a call adds never expire in it: their expiry is past the horizon.) The part leaves out the buffered
+        # elements too: a key waits for the watermark with seconds of them, and a call adds a few.
+        if seen.incremental and seen.plain is None and 2 * len(seen.added) < len(seen.exp):
+            result.stored = (pickle.dumps(core, protocol=pickle.HIGHEST_PROTOCOL),
+                             pickle.dumps((seen.added, seen.added_exp, horizon, buffered, limit),
+                                          protocol=pickle.HIGHEST_PROTOCOL))
+        if live:
+            # (the timers' sets are this call's own: the next call's ``load`` makes new ones)
+            result.state = Live(store, self.timers.event_timers, self.timers.processing_timers, buffer, seen)
+        else:
+            result.state = pickle.dumps({**core, "buf": buffer, **seen.packed()}, protocol=pickle.HIGHEST_PROTOCOL)
 
     @staticmethod
-    def merged(before: bytes | None, core: bytes, added: bytes) -> bytes:
+    def merged(before: "bytes | Live | None", core: bytes, added: bytes, live: bool = False) -> "bytes | Live":
         """A key's state after a call, from its state before the call and what the call stored (``KeyResult.stored``):
-        the ids before it, those at or behind the horizon forgotten, then the ones it added. A key remembers the ids of
-        the last ``dedup_ttl`` (thousands, for a key with an event a second): its key files keep each id once instead
-        of in every batch that touches the key."""
+        the ids before it, those at or behind the horizon forgotten, then the ones it added; the elements buffered
+        before it and those it buffered, less those it delivered (up to its watermark, in the order the call sorted
+        them). A key remembers the ids of the last ``dedup_ttl`` (thousands, for a key with an event a second) and
+        buffers seconds of elements: its key files keep each id and element once instead of in every batch that
+        touches the key. ``before``: bytes, or a :class:`Live` state, which this takes over; ``live``: return one."""
         saved = pickle.loads(core)
-        ids, expiries, horizon = pickle.loads(added)
-        seen = _Seen(pickle.loads(before) if before else {})
+        ids, expiries, horizon, *buffered = pickle.loads(added)
+        if isinstance(before, Live):
+            _, _, _, waiting, seen = before.take()  # (its store and timers are the core's now)
+        else:
+            earlier = pickle.loads(before) if before else {}
+            seen, waiting = _Seen(earlier), earlier.get("buf", [])
         seen.expire(horizon)
         for event_id, expiry in zip(ids, expiries):
             seen.add(event_id, expiry)
+        if buffered:  # (a part written before buffered elements were left out holds its buffer)
+            arrived, limit = buffered
+            buffer = waiting + arrived
+            buffer.sort(key=_TIME_AND_ID)
+            delivered = 0
+            while delivered < len(buffer) and buffer[delivered][0] <= limit:
+                delivered += 1
+            del buffer[:delivered]
+        else:
+            buffer = saved.get("buf", [])
+        if live:
+            return Live(saved.get("store"), saved.get("et", ()), saved.get("pt", ()), buffer, seen)
+        saved["buf"] = buffer
         saved.update(seen.packed())
         return pickle.dumps(saved, protocol=pickle.HIGHEST_PROTOCOL)
 
     @staticmethod
-    def state_summary(state: bytes | None) -> dict:
+    def state_summary(state: "bytes | Live | None") -> dict:
         """Sizes of a key's state (tests, inspection): entries per kind, timers, buffer, ids."""
         if not state:
             return {}
+        state = as_bytes(state)
         saved = pickle.loads(state)
         store = saved["store"]
         return {

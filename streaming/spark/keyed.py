@@ -20,6 +20,7 @@ dropping it silently.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import pickle
@@ -466,8 +467,9 @@ class _Adapter:
         max_t = None
         for key in [*events, *due]:
             row = known.get(key)
+            # (a stream's worker keeps the state as the call leaves it, for the key's next call: see ``keyed.files``)
             result = self.runtime.process(key, row[0] if row else None, events.get(key, []), watermark, now_ms,
-                                          bounded=bounded, decoded=bounded)
+                                          bounded=bounded, decoded=bounded, live=view is not None)
             inputs += result.inputs
             duplicates += result.duplicates
             if result.max_event_time_ms is not None:
@@ -547,6 +549,7 @@ def stream_frame(job: KeyedJob, parsed: DataFrame, buckets: int, labels: tuple[i
     ``options``: its file system's storage options); a bucket's group state names the files."""
     options = dict(options or {})
     encode, merge_after = group_state, keys.COMPACT_AFTER  # (bound here: what Spark ships is what the stream started with)
+    merge = functools.partial(KeyedRuntime.merged, live=True)
     frame, output, adapter = _plan(job, parsed, stream=True, buckets=buckets, labels=labels)
     processing = job.timers == PROCESSING_TIME
 
@@ -574,7 +577,7 @@ def stream_frame(job: KeyedJob, parsed: DataFrame, buckets: int, labels: tuple[i
         if "s" in saved:  # a bucket kept whole in the group state (checkpoints before the key files)
             view = keys.adopt(store, bucket, {k: (v, saved["w"].get(k), saved["p"].get(k)) for k, v in saved["s"].items()})
         else:
-            view = keys.view(store, bucket, saved.get("f", []), options, merge=KeyedRuntime.merged)
+            view = keys.view(store, bucket, saved.get("f", []), options, merge=merge)
 
         def commit(changed: dict) -> list[str]:
             dropped = keys.commit(store, bucket, view, changed, options, whole="s" in saved, every=merge_after)
