@@ -4,8 +4,8 @@ Spark's group state holds one small value per bucket of keys: the names of the b
 earliest wake-up and how many keys it holds (``spark.keyed``). Each key's state bytes and wake-ups are rows
 of those files (Parquet: the pickled key, the state, the event-time and processing-time wake-ups; a row
 without state is a tombstone), newest file last. A row may hold part of the key's state and what the batch added
-to it (the remembered ids of the keyed runtime: a key keeps thousands, a batch adds a few), which the reader merges
-with the key's state before it. A bucket's call reads the rows of the keys it runs from
+to it (the remembered ids and buffered elements of the keyed runtime: a key keeps thousands of ids and seconds of
+elements, a batch adds a few), which the reader merges with the key's state before it. A bucket's call reads the rows of the keys it runs from
 this process's view of the bucket (:class:`BucketView`) and writes one file with the rows that changed.
 Every ``compact_after`` files (a little more or less per bucket, so buckets do not all merge in the same
 batch) the call writes the bucket's whole state as one file instead, and the older files are dropped.
