@@ -213,7 +213,7 @@ def _write(root: str, bucket: Any, rows: list[tuple[Any, Row | None]], options: 
     stored = [r[3] if r is not None and len(r) > 3 else None for _, r in rows]
     columns = {
         "k": pa.array([pickle.dumps(k, protocol=pickle.HIGHEST_PROTOCOL) for k, _ in rows], pa.binary()),
-        "s": pa.array([None if r is None else part[0] if part else _bytes(r[0]) for (_, r), part in zip(rows, stored)],
+        "s": pa.array([None if r is None else part[0] if part else as_bytes(r[0]) for (_, r), part in zip(rows, stored)],
                       pa.binary()),
         "w": pa.array([None if r is None else r[1] for _, r in rows], pa.int64()),
         "p": pa.array([None if r is None else r[2] for _, r in rows], pa.int64()),
@@ -225,7 +225,8 @@ def _write(root: str, bucket: Any, rows: list[tuple[Any, Row | None]], options: 
     return name
 
 
-def _bytes(state) -> bytes:
+def as_bytes(state) -> bytes:
+    """A key's state as bytes (a state kept as objects is pickled)."""
     return state if isinstance(state, bytes) else bytes(state)
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from ..time import NEG_INF_MS, POS_INF_MS
+from .files import as_bytes
 from .function import EVENT_TIME, PROCESSING_TIME, Context, Instant, RuntimeContext, TimerService, to_ms
 from .state import KeyStore, StoreHolder, codec
 
@@ -206,10 +207,6 @@ class Live:
 
     def __bytes__(self) -> bytes:
         return pickle.dumps(self.saved(), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def as_bytes(state: "bytes | Live") -> bytes:
-    return state if isinstance(state, bytes) else bytes(state)
 
 
 class _Timers(TimerService):
