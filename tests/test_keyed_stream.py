@@ -184,16 +184,30 @@ def test_a_new_keyed_stream_spreads_its_buckets_evenly_over_the_shuffle_partitio
     same number in each (checked with Spark's own hash partitioning, as the state function's shuffle does)."""
     from streaming.spark import keyed as keyed_spark
 
-    for partitions in (2, 4, 3):
-        buckets = keyed_spark.BUCKETS_PER_PARTITION * partitions
-        labels = keyed_spark.bucket_labels(spark, None, buckets, partitions)
+    for partitions, buckets in ((2, 8), (4, 16), (3, 12), (4, keyed_spark.BOUNDED_KEY_BUCKETS), (5, 64), (1, 4)):
+        labels = keyed_spark.bucket_labels(None, buckets, partitions)
         assert len(set(labels)) == buckets
         frame = spark.createDataFrame([(i, v) for i, v in enumerate(labels)], "i int, v int")
         placed = frame.repartition(partitions, "v").select("i", F.spark_partition_id().alias("p")).collect()
         per_partition = {}
         for row in placed:
             per_partition.setdefault(row.p, []).append(row.i)
-        assert sorted(len(v) for v in per_partition.values()) == [keyed_spark.BUCKETS_PER_PARTITION] * partitions
+        assert {row.i: row.p for row in placed} == {i: i % partitions for i in range(buckets)}
+        assert sorted(len(v) for v in per_partition.values()) == sorted(
+            len(range(p, buckets, partitions)) for p in range(partitions))
+
+
+def test_the_python_int_hash_is_sparks(spark):
+    """The labels are computed without a Spark job, by Spark's Murmur3 hash of an int redone in Python: checked
+    against Spark's own ``hash`` over random ints, the edges included."""
+    import random
+
+    from streaming.spark import keyed as keyed_spark
+
+    rng = random.Random(7)
+    values = [0, 1, -1, 2**31 - 1, -2**31, *[rng.randrange(-2**31, 2**31) for _ in range(2_000)]]
+    rows = spark.createDataFrame([(v,) for v in values], "v int").select("v", F.hash("v").alias("h")).collect()
+    assert {r.v: r.h for r in rows} == {v: keyed_spark._spark_int_hash(v) for v in values}
 
 
 def test_a_keyed_streams_batch_after_a_small_one_runs_interpreted_and_after_a_large_one_compiled(spark):

@@ -113,7 +113,7 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
 
         record = EngineState(spark, checkpoint).latest_record() if resuming else None
         buckets = key_buckets(record.key_buckets if record else None, record is not None, partitions)
-        labels = bucket_labels(spark, record, buckets, partitions)
+        labels = bucket_labels(record, buckets, partitions)
         stream = stream_frame(job, parse_sources(job, raw), buckets, labels, store=Layout(checkpoint).keys,
                               options=settings.storage_options)
         handler = KeyedHandler(job, checkpoint, sinks, progress, report, fault, lease, main_schema=sinks.schemas["main"],

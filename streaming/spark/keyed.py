@@ -58,25 +58,46 @@ BUCKETS_PER_PARTITION = 4
 BOUNDED_KEY_BUCKETS = 64  # the bounded twin: no state to keep, many groups to spread a large input
 
 
-def bucket_labels(spark, record, buckets: int, shuffle_partitions: int) -> tuple[int, ...] | None:
+def _spark_int_hash(value: int, seed: int = 42) -> int:
+    """Spark's ``hash`` of an int column (Murmur3 x86 32-bit of the 4-byte value, seed 42), which its hash
+    partitioning uses: a group goes to shuffle partition ``pmod(hash(value), partitions)``."""
+    def rotl(x: int, r: int) -> int:
+        return ((x << r) | (x >> (32 - r))) & 0xFFFFFFFF
+
+    k1 = rotl(((value & 0xFFFFFFFF) * 0xCC9E2D51) & 0xFFFFFFFF, 15) * 0x1B873593 & 0xFFFFFFFF
+    h1 = (rotl(seed ^ k1, 13) * 5 + 0xE6546B64) & 0xFFFFFFFF
+    h1 ^= 4
+    h1 = ((h1 ^ (h1 >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+    h1 = ((h1 ^ (h1 >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+    h1 ^= h1 >> 16
+    return h1 - (1 << 32) if h1 & 0x80000000 else h1
+
+
+def spread_labels(buckets: int, shuffle_partitions: int) -> tuple[int, ...] | None:
+    """A grouping value for each bucket such that Spark's hash partitioning sends bucket ``i`` to partition
+    ``i % shuffle_partitions``: every task gets the same number of buckets (None: no such values among the
+    first ``64 * buckets`` ints, not expected)."""
+    free: dict[int, list[int]] = {}
+    for v in range(64 * buckets):
+        free.setdefault(_spark_int_hash(v) % shuffle_partitions, []).append(v)
+    try:
+        return tuple(free[i % shuffle_partitions][i // shuffle_partitions] for i in range(buckets))
+    except (KeyError, IndexError):
+        return None
+
+
+def bucket_labels(record, buckets: int, shuffle_partitions: int) -> tuple[int, ...] | None:
     """The grouping value of each bucket, fixed per checkpoint like the count (None: the bucket's number,
     as checkpoints written before labels were recorded have it).
 
     Spark sends a group to shuffle partition ``pmod(hash(value), partitions)``. Bucket numbers 0..15 land
     3, 3, 4 and 6 to a partition of 4, and the fullest partition's task set the pace of every batch (on
     2 cores: 9 buckets' time instead of 8, with the last task alone). A new stream gives bucket ``i`` a
-    value that Spark sends to partition ``i % partitions``: every task gets the same number of buckets."""
+    value that Spark sends to partition ``i % partitions`` (:func:`spread_labels`): every task gets the
+    same number of buckets."""
     if record is not None:
         return record.bucket_labels
-    rows = spark.range(0, 64 * buckets).selectExpr(
-        "cast(id as int) as v", f"pmod(hash(cast(id as int)), {shuffle_partitions}) as p").collect()
-    free: dict[int, list[int]] = {}
-    for row in rows:
-        free.setdefault(row.p, []).append(row.v)
-    try:
-        return tuple(free[i % shuffle_partitions][i // shuffle_partitions] for i in range(buckets))
-    except (KeyError, IndexError):  # (not expected: values spread evenly) keep the bucket numbers
-        return None
+    return spread_labels(buckets, shuffle_partitions)
 
 
 def key_buckets(record_buckets: int | None, has_record: bool, shuffle_partitions: int) -> int:
