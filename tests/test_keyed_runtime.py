@@ -7,6 +7,7 @@ watermark Spark would hand it.
 
 from __future__ import annotations
 
+import functools
 import pickle
 import random
 from datetime import timedelta
@@ -514,3 +515,70 @@ def test_a_key_kept_as_objects_between_calls_runs_as_one_loaded_from_its_bytes(s
                 state_o = bytes(state_o)
             watermark += rng.randrange(0, 15_000)
             now += rng.randrange(0, 4_000)
+
+
+def test_a_live_states_bytes_are_pickled_once_and_stay_the_keys_state():
+    """A key written whole to its file and turned into bytes at the next commit is pickled once: the bytes are kept
+    with the objects. They stay the key's state while the runtime runs other keys, and a call that takes the objects
+    over leaves nothing to pickle."""
+    from streaming.keyed.runtime import Live
+
+    r, by_bytes = runtime(), runtime()
+    events = [el(T0 + 1_000, 1, "a"), el(T0 + 2_000, 2, "timer"), el(T0 + 500, 3, "b")]
+    live = r.process(KEY, None, events, T0, 100_000, live=True).state
+    expected = by_bytes.process(KEY, None, events, T0, 100_000).state
+    assert isinstance(live, Live)
+    first = bytes(live)
+    assert bytes(live) is first and pickle.loads(first) == pickle.loads(expected)
+    r.process(("k2",), None, [el(T0 + 900, 4, "a"), el(T0 + 3_000, 5, "timer")], T0 + 1_500, 100_500, live=True)
+    assert pickle.loads(bytes(live)) == live.saved() == pickle.loads(expected)
+    later = [el(T0 + 4_000, 6, "a")]
+    after = r.process(KEY, live, later, T0 + 2_500, 101_000, live=True).state
+    with pytest.raises(RuntimeError):
+        bytes(live)
+    assert pickle.loads(bytes(after)) == pickle.loads(by_bytes.process(KEY, expected, later, T0 + 2_500, 101_000).state)
+
+
+def test_a_stream_call_over_few_keys_keeps_their_states_as_objects_and_one_over_many_as_bytes(tmp_path, monkeypatch):
+    """A call of a stream's bucket keeps the states of the keys it ran as objects for their next call only when it ran
+    at most ``LIVE_KEYS_MAX`` keys (a backlog or a burst of new keys leaves bytes, which the worker's collection after
+    each task does not walk); either way the next call runs on them."""
+    import pandas as pd
+    from pyspark.sql import types as T
+
+    from streaming.jobs.large_amount_alerts import JOB
+    from streaming.keyed import files as keys
+    from streaming.keyed.runtime import Live
+    from streaming.spark import keyed as K
+
+    payload = T.StructType([T.StructField(n, t) for n, t in [
+        ("card_id", T.StringType()), ("user_id", T.StringType()), ("event_id", T.StringType()),
+        ("event_time", T.TimestampType()), ("amount", T.DecimalType(18, 2))]])
+    main = T.StructType([T.StructField(n, t) for n, t in [
+        ("card_id", T.StringType()), ("user_id", T.StringType()), ("event_id", T.StringType()),
+        ("event_time", T.TimestampType()), ("amount", T.DecimalType(18, 2)), ("previous_amount", T.DecimalType(18, 2)),
+        ("previous_time", T.TimestampType()), ("previous_event_id", T.StringType()), ("ratio", T.DoubleType())]])
+    adapter = K._Adapter(JOB, payload, main, K._output_schema(JOB, main, payload))
+    monkeypatch.setattr(K, "LIVE_KEYS_MAX", 3)
+
+    def payments(cards: int, first: int) -> pd.DataFrame:
+        return pd.DataFrame([{"_bucket": 0, "_f": "file:/x/a.jsonl", "_e": "{}", "_p_card_id": f"c{c}",
+                              "_p_user_id": f"u{c}", "_p_event_id": f"e{first + c}",
+                              "_p_event_time": (T0 + 1_000 * (first + c)) * 1000, "_p_amount": "12.50", "_bad": None}
+                             for c in range(cards)])
+
+    for cards, kept in ((3, True), (4, False)):
+        root = str(tmp_path / f"keys-{cards}")
+        files: list[str] = []
+        for call, watermark in enumerate((T0, T0 + 60_000)):
+            view = keys.view(root, 0, files, {}, merge=functools.partial(KeyedRuntime.merged, live=True))
+            adapter.process_bucket(payments(cards, 100 * call), view, watermark, 0,
+                                   commit=lambda changed, view=view: keys.commit(root, 0, view, changed, {}))
+            files = list(view.files)
+            states = [row[0] for row in view.rows.values()]
+            assert len(states) == cards and all(isinstance(s, Live) == kept for s in states), (cards, call)
+        # the first call's elements were delivered by the second (the watermark passed them), as they are from bytes
+        keys.forget(root)
+        again = keys.view(root, 0, files, {}, merge=functools.partial(KeyedRuntime.merged, live=True))
+        assert {k: KeyedRuntime.state_summary(r[0]) for k, r in again.rows.items()} == \
+            {k: KeyedRuntime.state_summary(s) for k, s in zip(view.rows, states)}

@@ -185,17 +185,18 @@ class Live:
     takes it over (:meth:`take`) and changes it in place, so a state is handed to one call only: a caller that may
     have to run a key again from the same state (a failed call's replay) keeps the bytes (``bytes(state)``)."""
 
-    __slots__ = ("store", "et", "pt", "buf", "seen")
+    __slots__ = ("store", "et", "pt", "buf", "seen", "_bytes")
 
     def __init__(self, store, et, pt, buf: list, seen: "_Seen"):
         self.store = store  # a KeyStore, or its dump (a state merged from a key file, decoded when a call takes it)
         self.et, self.pt, self.buf, self.seen = et, pt, buf, seen
+        self._bytes: bytes | None = None  # its pickle, once made (nothing changes it until a call takes it)
 
     def take(self) -> tuple:
         if self.seen is None:
             raise RuntimeError("this key state was handed to a call already; pass its bytes to run the key again")
         parts = (self.store, self.et, self.pt, self.buf, self.seen)
-        self.store = self.et = self.pt = self.buf = self.seen = None
+        self.store = self.et = self.pt = self.buf = self.seen = self._bytes = None
         return parts
 
     def saved(self) -> dict:
@@ -206,7 +207,11 @@ class Live:
                 **self.seen.packed()}
 
     def __bytes__(self) -> bytes:
-        return pickle.dumps(self.saved(), protocol=pickle.HIGHEST_PROTOCOL)
+        """The state's bytes, pickled once: a key written whole to its file and turned into bytes at the next commit
+        (the call after it did not run it) is not pickled twice."""
+        if self._bytes is None:
+            self._bytes = pickle.dumps(self.saved(), protocol=pickle.HIGHEST_PROTOCOL)
+        return self._bytes
 
 
 class _Timers(TimerService):

@@ -56,6 +56,10 @@ BUCKET = "_bucket"
 LEGACY_KEY_BUCKETS = 64  # checkpoints written before the count was recorded
 BUCKETS_PER_PARTITION = 4
 BOUNDED_KEY_BUCKETS = 64  # the bounded twin: no state to keep, many groups to spread a large input
+# A stream's call keeps the states of the keys it ran as objects for their next call (``keyed.runtime.Live``) when it
+# ran at most this many: a busy key is run again in the next batch, but a call over thousands of keys (a backlog, a
+# burst of new keys) left objects that PySpark's collection after every task walked until the bucket's next call.
+LIVE_KEYS_MAX = 1_000
 
 
 def _spark_int_hash(value: int, seed: int = 42) -> int:
@@ -486,11 +490,13 @@ class _Adapter:
         changed: dict = {}
         inputs = duplicates = 0
         max_t = None
-        for key in [*events, *due]:
+        run = [*events, *due]
+        # (a stream's worker keeps the states as the call leaves them, for the keys' next call: see ``keyed.files``)
+        live = view is not None and len(run) <= LIVE_KEYS_MAX
+        for key in run:
             row = known.get(key)
-            # (a stream's worker keeps the state as the call leaves it, for the key's next call: see ``keyed.files``)
             result = self.runtime.process(key, row[0] if row else None, events.get(key, []), watermark, now_ms,
-                                          bounded=bounded, decoded=bounded, live=view is not None)
+                                          bounded=bounded, decoded=bounded, live=live)
             inputs += result.inputs
             duplicates += result.duplicates
             if result.max_event_time_ms is not None:
