@@ -22,6 +22,7 @@ from streaming.keyed import (
     TtlConfig,
     ValueStateDescriptor,
 )
+from streaming.errors import DeclarationError
 from streaming.keyed.runtime import KeyedRuntime
 
 T0 = 1_795_132_800_000  # 2026-11-20T00:00:00Z
@@ -232,6 +233,48 @@ def test_output_rows_must_fit_the_output_schema():
     rt = KeyedRuntime(Bad, ["v"], ["x"], 1000)
     with pytest.raises(ValueError, match=r"unknown column\(s\) \['nope'\]"):
         rt.process(KEY, None, [el(T0, 1, 1)], 0, 0, bounded=True)
+
+
+@pytest.mark.parametrize("columns", [["a", "b", "c"], ["x"]])
+def test_dict_rows_are_taken_by_name_and_wrong_names_are_refused(columns):
+    """A dict row's values go to their columns whatever the dict's order; a column it leaves out is null; a name
+    that is not a column is refused by name, also when the dict has as many names as there are columns."""
+    rows = [dict(zip(columns, range(len(columns)))), dict(reversed(list(zip(columns, range(len(columns))))))]
+    rows.append({c: i for i, c in enumerate(columns) if i})  # the first column left out
+
+    class Rows(KeyedProcessFunction):
+        def process_element(self, value, ctx):
+            yield rows[value.v]
+
+    rt = KeyedRuntime(Rows, ["v"], columns, 1000)
+    got = [rt.process(KEY, None, [el(T0, i, i)], 0, 0, bounded=True).outputs for i in range(len(rows))]
+    everything = tuple(range(len(columns)))
+    assert got == [[everything], [everything], [(None, *everything[1:])]]
+    for wrong in ({**dict.fromkeys(columns[1:], 1), "nope": 2}, {**dict.fromkeys(columns, 1), "nope": 2}):
+        rows.append(wrong)
+        with pytest.raises(ValueError, match=r"unknown column\(s\) \['nope'\]"):
+            rt.process(KEY, None, [el(T0, 9, len(rows) - 1)], 0, 0, bounded=True)
+
+
+def test_the_time_a_function_sees_is_the_exact_utc_instant_of_its_milliseconds():
+    """``ctx.time`` and the timer service's clocks as ``datetime``: checked against pandas' own conversion
+    of epoch milliseconds, from before 1970 to far ahead."""
+    import pandas as pd
+
+    from streaming.keyed.function import Context, TimerService, to_datetime, to_ms
+
+    rng = random.Random(5)
+    instants = [0, -1, 1, 999, T0, T0 + 1, -62_135_596_800_000, 253_402_300_799_999,
+                *[rng.randrange(-10**12, 10**13) for _ in range(2_000)]]
+    ctx = Context(TimerService())
+    for ms in instants:
+        ctx.timestamp_ms = ms
+        expected = pd.Timestamp(ms, unit="ms", tz="UTC").to_pydatetime()
+        assert to_datetime(ms) == expected and ctx.time == expected and ctx.time.utcoffset() == timedelta(0)
+        assert to_ms(ctx.time) == ms == to_ms(ms)
+    assert to_datetime(None) is None
+    with pytest.raises(DeclarationError):
+        to_ms(True)
 
 
 def test_remembered_ids_are_packed_and_still_catch_duplicates_whatever_the_ids_hold():

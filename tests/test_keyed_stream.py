@@ -210,6 +210,39 @@ def test_the_python_int_hash_is_sparks(spark):
     assert {r.v: r.h for r in rows} == {v: keyed_spark._spark_int_hash(v) for v in values}
 
 
+def test_the_functions_decimals_reach_spark_rounded_to_the_scale_whatever_python_number_they_are(spark):
+    """A decimal output column crosses to Spark as an Arrow column when its values fit the type as they are,
+    else rounded half-even to the scale (more digits, floats): both ways against Python's own ``quantize``,
+    through PySpark's grouped map as the bounded twin's output goes."""
+    import random
+    from decimal import ROUND_HALF_EVEN, Decimal
+
+    import pandas as pd
+    from pyspark.sql import types as T
+
+    from streaming.spark.keyed import _column
+
+    rng = random.Random(11)
+    fitting = [None, 0, -3, Decimal("-0.00"), Decimal("12.3"), Decimal("9999999999999999.99"),
+               *[Decimal(rng.randrange(-10**9, 10**9)).scaleb(-rng.randrange(0, 3)) for _ in range(300)]]
+    rounded = [Decimal("1.005"), Decimal("1.015"), Decimal("-2.675"), 2.5, 0.1,
+               *[Decimal(rng.randrange(-10**9, 10**9)).scaleb(-rng.randrange(3, 6)) for _ in range(300)]]
+    dtype = T.DecimalType(18, 2)
+    assert isinstance(_column(fitting, dtype).dtype, pd.ArrowDtype)  # (the fast way is the one taken)
+    cases = [fitting, rounded, fitting + rounded]
+
+    def column(pdf):
+        return pd.DataFrame({"case": pdf["case"].iloc[:1].repeat(len(cases[pdf["case"].iloc[0]])).tolist(),
+                             "d": _column(cases[pdf["case"].iloc[0]], dtype)})
+
+    got = (spark.createDataFrame([(i,) for i in range(len(cases))], "case int")
+           .groupBy("case").applyInPandas(column, "case int, d decimal(18,2)").collect())
+    quantum = Decimal("0.01")
+    for i, values in enumerate(cases):
+        expected = [None if v is None else Decimal(v).quantize(quantum, rounding=ROUND_HALF_EVEN) for v in values]
+        assert sorted((r.d for r in got if r.case == i), key=str) == sorted(expected, key=str)
+
+
 def test_a_keyed_streams_batch_after_a_small_one_runs_interpreted_and_after_a_large_one_compiled(spark):
     """The next batch's stages run without generated code after a batch of at most INTERPRETED_BATCH_LINES lines, in
     the stream's own session, until a larger batch puts the session's setting back (the results of such batches are

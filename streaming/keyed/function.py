@@ -39,16 +39,21 @@ from .state import HANDLES, StoreHolder, _Descriptor
 EVENT_TIME = "event_time"
 PROCESSING_TIME = "processing_time"
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_MS = timedelta(milliseconds=1)
+
 Instant = Union[datetime, int]  # a datetime (naive means UTC) or epoch milliseconds
 
 
 def to_ms(when: Instant) -> int:
     """Epoch milliseconds of a timer's time: a ``datetime`` (naive is UTC) or already milliseconds.
     A ``timedelta`` is refused: a timer is a point in time (``ctx.time + timedelta(minutes=5)``)."""
+    if type(when) is int:  # (the common case, first: a timer set from ``ctx.timestamp()``)
+        return when
     if isinstance(when, datetime):
         if when.tzinfo is None:
             when = when.replace(tzinfo=timezone.utc)
-        return int(when.timestamp() * 1000)
+        return (when - _EPOCH) // _MS  # (exact: ``timestamp() * 1000`` in floating point can land 1 ms short)
     if isinstance(when, timedelta):
         raise DeclarationError(
             f"a timer needs a point in time, got the duration {when}; register ctx.time + {when!r} instead"
@@ -59,7 +64,8 @@ def to_ms(when: Instant) -> int:
 
 
 def to_datetime(ms: int | None) -> datetime | None:
-    return None if ms is None else datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+    """The UTC ``datetime`` of epoch milliseconds (exact: the arithmetic is on integers)."""
+    return None if ms is None else _EPOCH + ms * _MS
 
 
 class TimerService:
@@ -119,7 +125,8 @@ class Context:
     @property
     def time(self) -> datetime | None:
         """Event time of the element (or the timer's time) being processed, as a UTC ``datetime``."""
-        return to_datetime(self.timestamp_ms)
+        ms = self.timestamp_ms
+        return None if ms is None else _EPOCH + ms * _MS
 
     def timer_service(self) -> TimerService:
         return self._timers

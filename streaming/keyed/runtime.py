@@ -279,6 +279,8 @@ class KeyedRuntime:
         self.output_columns = list(output_columns)
         self._names = frozenset(self.output_columns)
         self._width = len(self.output_columns)
+        # A dict naming every output column (the common row) is read in one call.
+        self._pick = operator.itemgetter(*self.output_columns) if self._width > 1 else None
         self.dedup_ttl_ms = dedup_ttl_ms
         self.decode = decode
 
@@ -429,6 +431,12 @@ class KeyedRuntime:
             outputs.append(self._row(row))
 
     def _row(self, row: Any) -> tuple:
+        pick = self._pick
+        if pick is not None and type(row) is dict and len(row) == self._width:
+            try:
+                return pick(row)
+            except KeyError:  # (as many names, not the same ones: the full check below names them)
+                pass
         if isinstance(row, dict):
             if not self._names.issuperset(row):
                 unknown = set(row) - self._names

@@ -32,6 +32,7 @@ from decimal import Decimal
 from typing import Iterator
 
 import pandas as pd
+import pyarrow as pa
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -465,7 +466,7 @@ class _Adapter:
             values = columns[f.name]
             if isinstance(values, pd.Series):
                 data[f.name] = values
-            elif values.count(None) == n:
+            elif not any(v is not None for v in values):  # (``count(None)`` compares every value with None)
                 data[f.name] = pd.Series(values, dtype=object)
             else:
                 data[f.name] = _column(values, f.dataType)
@@ -547,8 +548,11 @@ def _column(values: list, dtype: T.DataType):
                    datetime.fromtimestamp(int(v) / 1000, tz=timezone.utc) for v in values]
         return pd.Series(pd.to_datetime(moments, utc=True), dtype="datetime64[ns, UTC]").dt.tz_localize(None)
     if isinstance(dtype, T.DecimalType):
-        quantum = Decimal(1).scaleb(-dtype.scale)
-        return pd.Series([None if v is None else Decimal(v).quantize(quantum) for v in values], dtype=object)
+        try:  # Arrow takes decimals (and ints) that fit the type as they are; PySpark passes such a column on whole
+            return pd.Series(pd.arrays.ArrowExtensionArray(pa.array(values, type=pa.decimal128(dtype.precision, dtype.scale))))
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):  # (more digits than the scale, floats, ...)
+            quantum = Decimal(1).scaleb(-dtype.scale)
+            return pd.Series([None if v is None else Decimal(v).quantize(quantum) for v in values], dtype=object)
     if isinstance(dtype, (T.LongType, T.IntegerType, T.ShortType, T.ByteType)):
         return pd.array([None if v is None else int(v) for v in values], dtype="Int64")
     if isinstance(dtype, (T.DoubleType, T.FloatType)):
