@@ -125,7 +125,7 @@ class Context:
     @property
     def time(self) -> datetime | None:
         """Event time of the element (or the timer's time) being processed, as a UTC ``datetime``."""
-        ms = self.timestamp_ms
+        ms = self.timestamp_ms  # (:func:`to_datetime` inlined: a function asks for it with every row it emits)
         return None if ms is None else _EPOCH + ms * _MS
 
     def timer_service(self) -> TimerService:

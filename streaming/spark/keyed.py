@@ -546,7 +546,7 @@ def _side_json(fields: dict) -> str | None:
 
 def _column(values: list, dtype: T.DataType, arrow: bool = False):
     """A main-table column as pandas for PySpark's conversion to Arrow. ``arrow``: decimals that fit the type
-    as they are become an Arrow column at once (a tenth of the time of rounding each one and converting the
+    as they are become an Arrow column at once (a fifth of the time of rounding each one and converting the
     objects), which PySpark passes on whole when the frame is converted alone: a frame concatenated with
     others would hold it in several chunks, which PySpark's struct of columns refuses."""
     if isinstance(dtype, T.TimestampType):
