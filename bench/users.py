@@ -104,6 +104,59 @@ def _rss_mb(pids: list[int]) -> float:
     return total / 2**20
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(stat_path: str) -> float:
+    with open(stat_path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK  # (utime + stime)
+
+
+def cpu_by_part(root: int) -> dict[str, float]:
+    """CPU seconds so far of ``root``'s process tree by part: the JVM's JIT compiler threads, the rest of the JVM,
+    Spark's Python workers, the other Python (the driver's); and ``machine``, every process's. Linux only (empty
+    elsewhere)."""
+    parts = dict.fromkeys(("JIT", "JVM", "Python workers", "driver"), 0.0)
+    for pid in _tree(root):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            if b"java" in cmdline.split(b"\0", 1)[0]:
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    try:
+                        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                            name = f.read()
+                        parts["JIT" if "CompilerThre" in name else "JVM"] += _cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
+                    except (OSError, IndexError, ValueError):
+                        pass  # (a thread that ended: its time is lost to both snapshots alike)
+            else:
+                worker = b"pyworkers" in cmdline or b"pyspark.daemon" in cmdline or b"pyspark.worker" in cmdline
+                parts["Python workers" if worker else "driver"] += _cpu_seconds(f"/proc/{pid}/stat")
+        except (OSError, IndexError, ValueError):
+            continue
+    if not any(parts.values()):
+        return {}
+    try:  # the whole machine's busy time (every process: what the parts leave out shows as the rest)
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        parts["machine"] = (sum(ticks) - ticks[3] - ticks[4]) / _TICK  # (all but idle and iowait)
+    except (OSError, IndexError, ValueError):
+        pass
+    return parts
+
+
+def cpu_line(before: dict, after: dict, seconds: float, feed: float) -> str:
+    """The cores each part used over ``seconds`` (and the feed's own, ``feed`` CPU seconds of this process)."""
+    if not before or not after or seconds <= 0:
+        return ""
+    used = {k: max(0.0, after[k] - before.get(k, 0.0)) / seconds for k in after if k in before}
+    used["bench (feed)"] = feed / seconds
+    machine = used.pop("machine", None)
+    return (f"cores used (of {os.cpu_count()}): " + ", ".join(f"{k} {v:.2f}" for k, v in used.items())
+            + (f"; machine busy {machine:.2f}" if machine is not None else ""))
+
+
 @dataclass
 class Run:
     wall: float
@@ -113,12 +166,16 @@ class Run:
     started: float  # wall clock at the process start
 
 
-def run(cmd: list[str], env: dict, *, stop_after: threading.Event | None = None, timeout: float = 3600) -> Run:
+def run(cmd: list[str], env: dict, *, stop_after: threading.Event | None = None, timeout: float = 3600,
+        pid: list | None = None) -> Run:
     """Run ``cmd`` as a whole process; its wall time and the peak RSS of its process tree. With ``stop_after``,
-    the process is sent SIGINT once the event is set (a continuous stream)."""
+    the process is sent SIGINT once the event is set (a continuous stream). ``pid``: a list the process's id is
+    appended to once it started."""
     started = time.time()
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT))
+    if pid is not None:
+        pid.append(proc.pid)
     peak = 0.0
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -426,11 +483,20 @@ def _latency_run(b: Bench, who: str, warmup: float, measure: float, rate: int, p
         env = b.env(home)
         checkpoint = home / "checkpoints" / who
     result: list[Run] = []
-    runner = threading.Thread(target=lambda: result.append(run(cmd, env, stop_after=stop)), daemon=True)
+    pid: list[int] = []
+    runner = threading.Thread(target=lambda: result.append(run(cmd, env, stop_after=stop, pid=pid)), daemon=True)
     runner.start()
     time.sleep(3)  # the process starts; the feed begins as a user's files would, whenever
     since = time.time() + warmup
+    # Where the machine's cores go in the measured window, both sides alike (a stream that cannot keep up with the
+    # feed shows it in its latency: on two cores the JVMs' JIT compilers take a large share of the first minutes).
+    cpu: dict[str, tuple] = {}
+    mark = threading.Timer(warmup, lambda: cpu.update(before=(cpu_by_part(pid[0]) if pid else {}, time.process_time())))
+    mark.start()
     _feed(landing, rate, per_file, warmup + measure, appeared, b.users)
+    mark.join()
+    cores = cpu_line(cpu["before"][0], cpu_by_part(pid[0]) if pid else {}, measure,
+                     time.process_time() - cpu["before"][1]) if "before" in cpu else ""
     deadline = time.time() + 30
     while time.time() < deadline and len(latency(str(checkpoint), appeared, 0).samples) < len(appeared):
         time.sleep(0.5)
@@ -441,7 +507,8 @@ def _latency_run(b: Bench, who: str, warmup: float, measure: float, rate: int, p
     lat.samples.extend([float("inf")] * missing)  # (a file not committed 30 s after the feed ended counts as never)
     r = result[0] if result else None
     say(f"  {who:20} {lat.line()}{f'; {missing} file(s) not committed' if missing else ''}"
-        + (f"; peak {r.peak_mb:.0f} MB" if r else "") + (f"; {steps(r.out)}" if r and steps(r.out) else ""))
+        + (f"; peak {r.peak_mb:.0f} MB" if r else "") + (f"; {steps(r.out)}" if r and steps(r.out) else "")
+        + (f"\n  {'':20} {cores}" if cores else ""))
     return lat, (r.peak_mb if r else None)
 
 
