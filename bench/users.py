@@ -129,7 +129,7 @@ def cpu_by_part(root: int) -> dict[str, float]:
                             name = f.read()
                         parts["JIT" if "CompilerThre" in name else "JVM"] += _cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
                     except (OSError, IndexError, ValueError):
-                        pass  # (a thread that ended: its time is lost to both snapshots alike)
+                        pass  # (a thread that ended: its time left with it; the parts are lower bounds)
             else:
                 worker = b"pyworkers" in cmdline or b"pyspark.daemon" in cmdline or b"pyspark.worker" in cmdline
                 parts["Python workers" if worker else "driver"] += _cpu_seconds(f"/proc/{pid}/stat")
@@ -147,7 +147,9 @@ def cpu_by_part(root: int) -> dict[str, float]:
 
 
 def cpu_line(before: dict, after: dict, seconds: float, feed: float) -> str:
-    """The cores each part used over ``seconds`` (and the feed's own, ``feed`` CPU seconds of this process)."""
+    """The cores each part used over ``seconds``, and the bench's own (``feed``: CPU seconds of this process, the
+    feed's thread most of them). A thread or worker that ended in the window took its time with it: the parts are
+    lower bounds, the machine's figure is not."""
     if not before or not after or seconds <= 0:
         return ""
     used = {k: max(0.0, after[k] - before.get(k, 0.0)) / seconds for k in after if k in before}
