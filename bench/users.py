@@ -147,9 +147,9 @@ def cpu_by_part(root: int) -> dict[str, float]:
 
 
 def cpu_line(before: dict, after: dict, seconds: float, feed: float) -> str:
-    """The cores each part used over ``seconds``, and the bench's own (``feed``: CPU seconds of this process, the
-    feed's thread most of them). A thread or worker that ended in the window took its time with it: the parts are
-    lower bounds, the machine's figure is not."""
+    """The cores each part used over ``seconds`` (the window as timed), and the bench's own (``feed``: CPU seconds
+    of this process, the feed's thread most of them). A thread or worker that ended in the window took its time with
+    it: the parts are lower bounds, the machine's figure is not."""
     if not before or not after or seconds <= 0:
         return ""
     used = {k: max(0.0, after[k] - before.get(k, 0.0)) / seconds for k in after if k in before}
@@ -493,12 +493,16 @@ def _latency_run(b: Bench, who: str, warmup: float, measure: float, rate: int, p
     # Where the machine's cores go in the measured window, both sides alike (a stream that cannot keep up with the
     # feed shows it in its latency: on two cores the JVMs' JIT compilers take a large share of the first minutes).
     cpu: dict[str, tuple] = {}
-    mark = threading.Timer(warmup, lambda: cpu.update(before=(cpu_by_part(pid[0]) if pid else {}, time.process_time())))
+    mark = threading.Timer(warmup, lambda: cpu.update(
+        before=(cpu_by_part(pid[0]) if pid else {}, time.process_time(), time.monotonic())))
     mark.start()
     _feed(landing, rate, per_file, warmup + measure, appeared, b.users)
     mark.join()
-    cores = cpu_line(cpu["before"][0], cpu_by_part(pid[0]) if pid else {}, measure,
-                     time.process_time() - cpu["before"][1]) if "before" in cpu else ""
+    cores = ""
+    if "before" in cpu:
+        parts, bench_cpu, at = cpu["before"]
+        cores = cpu_line(parts, cpu_by_part(pid[0]) if pid else {}, time.monotonic() - at,
+                         time.process_time() - bench_cpu)
     deadline = time.time() + 30
     while time.time() < deadline and len(latency(str(checkpoint), appeared, 0).samples) < len(appeared):
         time.sleep(0.5)
