@@ -178,3 +178,30 @@ def test_the_drivers_first_deliveries_are_the_first_to_arrive_of_each_repeated_i
     else:
         assert got is not None
         assert {(a, b): k for a, b, k in zip(*got)} == want
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_first_delivery_an_aggregate_keeps_is_the_first_to_arrive_then_the_first_line(spark, seed):
+    """The number Spark's aggregate takes the least of to find an id's first delivery (``first_delivery_order``)
+    against a plain-Python oracle: random arrivals and line numbers over all of their range (0 to 2^63 - 1), ties
+    of arrival broken by the line. It must stay a hash aggregate: a sort-based one sorts every line of the batch."""
+    from pyspark.sql import functions as F
+
+    from streaming.io.parse import ARRIVAL
+    from streaming.windowed.batch import TAG, first_delivery_order, line_of_order
+
+    rng = random.Random(seed)
+    top = 2**63 - 1
+    arrivals = [0, 1, top, top - 1, *(rng.randrange(top) for _ in range(5))]
+    rows = []
+    for tag in rng.sample(range(top), 2000):
+        rows.append((rng.randrange(300), rng.choice(arrivals) if rng.random() < 0.7 else rng.randrange(top), tag))
+    rows += [(7, top, top), (7, top, 0), (8, 0, top)]  # the extremes of both, together
+    want: dict[int, tuple[int, int]] = {}
+    for key, a, t in rows:
+        want[key] = min(want.get(key, (a, t)), (a, t))
+    frame = spark.createDataFrame(rows, f"k long, {ARRIVAL} long, {TAG} long")
+    grouped = frame.groupBy("k").agg(F.min(first_delivery_order()).alias("o")).select("k", line_of_order(F.col("o")).alias("kept"))
+    plan = grouped._jdf.queryExecution().executedPlan().toString()
+    assert "HashAggregate" in plan and "SortAggregate" not in plan, plan
+    assert {r.k: r.kept for r in grouped.collect()} == {k: t for k, (_, t) in want.items()}

@@ -30,6 +30,7 @@ stream remembers.
 from __future__ import annotations
 
 import itertools
+from decimal import Decimal
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -70,6 +71,21 @@ DRIVER_LOOKUP_LINES = 100_000
 # more than this (~120k payment lines; see ``LARGE_BATCH_BYTES``): a backlog arriving after ordinary batches does not.
 DRIVER_LOOKUP_BYTES = 40_000_000
 TAG = "_line"  # a line's number within its batch (see ``WindowedBatch._tagged``)
+# A delivery's place in the arrival order, then in the batch, as one number an aggregate can take the least of
+# without sorting: ``arrival * 10^19 + line`` (both are longs >= 0, so below 10^19) as a decimal(38, 0), which
+# Spark's hash aggregate keeps in a fixed-width buffer. ``min(struct(arrival, line))`` made it a sort-based
+# aggregate, which sorted every line of the batch by id (a stream's 1M-line batch: ~3.6 s of CPU more).
+_ORDER = T.DecimalType(38, 0)
+_LINE_SPAN = 10 ** 19
+
+
+def first_delivery_order() -> Column:
+    return F.col(ARRIVAL).cast(_ORDER) * F.lit(Decimal(_LINE_SPAN)).cast(_ORDER) + F.col(TAG).cast(_ORDER)
+
+
+def line_of_order(order: Column) -> Column:
+    """The line of :func:`first_delivery_order`'s number."""
+    return (order % F.lit(Decimal(_LINE_SPAN)).cast(_ORDER)).cast("long")
 
 
 def first_deliveries(h1: np.ndarray, h2: np.ndarray, arrival: np.ndarray, line: np.ndarray
@@ -429,12 +445,13 @@ class WindowedBatch:
         """The ids delivered more than once among ``lines`` (see :meth:`_tagged`): ``_h1``, ``_h2``, ``_kept`` (the
         line kept); ``every``: every id, with ``_n``, its deliveries."""
         key = self.job.source.dedup_key
-        columns, keys, aggregates, repeated, out = once("repeats", lambda: (
-            [F.col(TAG), F.col(ARRIVAL), *id_hashes(F.col(key))], [F.col("_h1"), F.col("_h2")],
-            [F.count(F.lit(1)).alias("_n"), F.min(F.struct(ARRIVAL, TAG))[TAG].alias("_kept")], F.col("_n") > 1,
-            [F.col("_h1"), F.col("_h2"), F.col("_kept")]), self.job)
+        columns, keys, aggregates, repeated, out, every_out = once("repeats", lambda: (
+            [first_delivery_order().alias("_order"), *id_hashes(F.col(key))], [F.col("_h1"), F.col("_h2")],
+            [F.count(F.lit(1)).alias("_n"), F.min("_order").alias("_first")], F.col("_n") > 1,
+            [F.col("_h1"), F.col("_h2"), line_of_order(F.col("_first")).alias("_kept")],
+            [F.col("_h1"), F.col("_h2"), F.col("_n"), line_of_order(F.col("_first")).alias("_kept")]), self.job)
         grouped = group(select(self._tagged(lines), columns), keys, aggregates)
-        return grouped if every else select(grouped.where(repeated), out)
+        return select(grouped, every_out) if every else select(grouped.where(repeated), out)
 
     def _find_repeats(self, lines: DataFrame) -> tuple[list[int], list[int], list[int]] | None:
         rows = self._repeats_frame(lines).limit(MAX_REPEATS + 1).collect()
