@@ -30,9 +30,9 @@ stream remembers.
 from __future__ import annotations
 
 import itertools
-from decimal import Decimal
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 import numpy as np
 import pyarrow as pa
