@@ -445,11 +445,14 @@ class WindowedBatch:
         """The ids delivered more than once among ``lines`` (see :meth:`_tagged`): ``_h1``, ``_h2``, ``_kept`` (the
         line kept); ``every``: every id, with ``_n``, its deliveries."""
         key = self.job.source.dedup_key
-        columns, keys, aggregates, repeated, out, every_out = once("repeats", lambda: (
-            [first_delivery_order().alias("_order"), *id_hashes(F.col(key))], [F.col("_h1"), F.col("_h2")],
-            [F.count(F.lit(1)).alias("_n"), F.min("_order").alias("_first")], F.col("_n") > 1,
-            [F.col("_h1"), F.col("_h2"), line_of_order(F.col("_first")).alias("_kept")],
-            [F.col("_h1"), F.col("_h2"), F.col("_n"), line_of_order(F.col("_first")).alias("_kept")]), self.job)
+
+        def build():
+            hashes, kept = [F.col("_h1"), F.col("_h2")], line_of_order(F.col("_first")).alias("_kept")
+            return ([first_delivery_order().alias("_order"), *id_hashes(F.col(key))], hashes,
+                    [F.count(F.lit(1)).alias("_n"), F.min("_order").alias("_first")], F.col("_n") > 1,
+                    [*hashes, kept], [*hashes, F.col("_n"), kept])
+
+        columns, keys, aggregates, repeated, out, every_out = once("repeats", build, self.job)
         grouped = group(select(self._tagged(lines), columns), keys, aggregates)
         return select(grouped, every_out) if every else select(grouped.where(repeated), out)
 
