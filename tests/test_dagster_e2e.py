@@ -110,16 +110,28 @@ class Servers:
         from orchestration.record import ensure_dagster_yaml
 
         ensure_dagster_yaml(str(self.dagster_home), self.postgres_url)  # as `make ui` does (or a deployment)
+        # The code location in a server of its own, which the webserver and the daemon connect to (as `dagster dev`
+        # and a deployment run it: docs/dagster.md). A `python_module` entry would make the daemon start a new
+        # process for it every minute, each importing the definitions again (~5-8 s of CPU here).
+        code_port = _free_port()
         (self.root / "workspace.yaml").write_text(
-            f"load_from:\n  - python_module:\n      module_name: {LOCATION}\n      working_directory: {REPO}\n")
+            f"load_from:\n  - grpc_server:\n      host: 127.0.0.1\n      port: {code_port}\n"
+            f"      location_name: {LOCATION}\n")
         env = {**os.environ, "DAGSTER_HOME": str(self.dagster_home), "LAKESTREAM_HOME": str(self.lake),
                "PYSPARK_PYTHON": sys.executable}
         bin_dir = Path(sys.executable).parent
-        for cmd, log in (([str(bin_dir / "dagster-webserver"), "-h", "127.0.0.1", "-p", str(self.port), "-w",
-                           str(self.root / "workspace.yaml")], "webserver.log"),
-                         ([str(bin_dir / "dagster-daemon"), "run", "-w", str(self.root / "workspace.yaml")], "daemon.log")):
-            self.procs.append(subprocess.Popen(cmd, cwd=self.root, env=env, stdout=open(self.root / log, "w"),
-                                               stderr=subprocess.STDOUT, start_new_session=True))
+        code_server = [str(bin_dir / "dagster"), "code-server", "start", "-h", "127.0.0.1", "-p", str(code_port),
+                       "-m", LOCATION, "-d", str(REPO), "--location-name", LOCATION]
+        self._start(code_server, "code-server.log", env)
+        health = [str(bin_dir / "dagster"), "api", "grpc-health-check", "-h", "127.0.0.1", "-p", str(code_port)]
+        deadline = time.monotonic() + 180
+        while subprocess.run(health, capture_output=True, env=env).returncode != 0:
+            assert self.procs[-1].poll() is None, (self.root / "code-server.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, (self.root / "code-server.log").read_text()[-2000:]
+            time.sleep(1)
+        self._start([str(bin_dir / "dagster-webserver"), "-h", "127.0.0.1", "-p", str(self.port), "-w",
+                     str(self.root / "workspace.yaml")], "webserver.log", env)
+        self._start([str(bin_dir / "dagster-daemon"), "run", "-w", str(self.root / "workspace.yaml")], "daemon.log", env)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             try:
@@ -133,6 +145,10 @@ class Servers:
                 pass
             time.sleep(1)
         raise AssertionError(f"the webserver did not load {LOCATION}: {(self.root / 'webserver.log').read_text()[-2000:]}")
+
+    def _start(self, cmd: list[str], log: str, env: dict) -> None:
+        self.procs.append(subprocess.Popen(cmd, cwd=self.root, env=env, stdout=open(self.root / log, "w"),
+                                           stderr=subprocess.STDOUT, start_new_session=True))
 
     def stop(self) -> None:
         for proc in self.procs:  # SIGINT to the whole process group, then SIGKILL after a timeout
