@@ -1,6 +1,6 @@
-"""End to end with real processes on loopback: a temporary DAGSTER_HOME, ``dagster-webserver`` and
+"""End to end with real processes on loopback: a temporary DAGSTER_HOME, a code server, ``dagster-webserver`` and
 ``dagster-daemon`` started here, driven through the GraphQL API the UI uses, and the UI itself in
-headless Chromium. Each run the servers launch is a real subprocess with its own Spark.
+headless Chromium. Each run the code server launches is a real subprocess with its own Spark.
 
 Flow: launch the purchase_metrics stream (continuous) -> per-batch materializations appear ->
 terminate the run from the API -> the query stopped after its batch (no batch in flight) -> launch
