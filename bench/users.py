@@ -318,8 +318,8 @@ def _throughput(b: Bench, section: str, measure: str, ls_args: list[str], peer_a
         ours_cold.append(first_commit(ocp, o.started))
         plain_mem.append(p.peak_mb)
         ours_mem.append(o.peak_mb)
-        plain_batch.append(median(commit_intervals(pcp)))
-        ours_batch.append(median(commit_intervals(ocp)))
+        plain_batch.append(_gap(pcp))
+        ours_batch.append(_gap(ocp))
         breakdown = steps(o.out)
         say(f"  run {i + 1}: peer {p.wall:.1f} s (first commit {plain_cold[-1] or 0:.1f} s, {p.peak_mb:.0f} MB), "
             f"lakestream {o.wall:.1f} s (first commit {ours_cold[-1] or 0:.1f} s, {o.peak_mb:.0f} MB); {breakdown}")
@@ -331,7 +331,17 @@ def _throughput(b: Bench, section: str, measure: str, ls_args: list[str], peer_a
     record(section, f"first commit ({measure})", f"{median(plain_cold):.1f} s", f"{median(ours_cold):.1f} s (+{cold:.1f} s)",
            None, "reference", None)
     say(f"     peak memory: peer {median(plain_mem):.0f} MB, lakestream {median(ours_mem):.0f} MB; "
-        f"batch (commit to commit, median): peer {median(plain_batch):.2f} s, lakestream {median(ours_batch):.2f} s")
+        f"batch (commit to commit, median): peer {_seconds(median(plain_batch))}, lakestream {_seconds(median(ours_batch))}")
+
+
+def _gap(checkpoint: Path) -> float | None:
+    """The median time from one commit to the next (None: one batch, no gap to time)."""
+    gaps = commit_intervals(checkpoint)
+    return median(gaps) if gaps else None
+
+
+def _seconds(value: float) -> str:
+    return "one batch" if value != value else f"{value:.2f} s"  # (NaN: no run had two batches)
 
 
 def stream(b: Bench) -> None:
