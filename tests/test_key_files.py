@@ -31,8 +31,10 @@ def _truth_after(history: list[dict]) -> dict:
     return state
 
 
+@pytest.mark.parametrize("every", [None, 2, 3], ids=["default", "every-2", "every-3"])
 @pytest.mark.parametrize("seed", range(6))
-def test_the_view_holds_what_the_named_files_say_through_failures_replays_and_merges(tmp_path, seed):
+def test_the_view_holds_what_the_named_files_say_through_failures_replays_and_merges(tmp_path, seed, every):
+    """``every``: runs per level (small: runs are merged level upon level, and bases rewritten, within the test)."""
     rng = random.Random(seed)
     root = str(tmp_path / "keys")
     bucket = rng.randrange(16)
@@ -62,12 +64,12 @@ def test_the_view_holds_what_the_named_files_say_through_failures_replays_and_me
                 changed[key] = (changed[key][0], watermark + 1, None)
         if rng.random() < 0.1:
             continue  # the call failed before it committed: the view was taken and is rebuilt next time
-        keys.commit(root, bucket, view, changed, {})
+        keys.commit(root, bucket, view, changed, {}, every=every)
         assert view.files and all((tmp_path / "keys" / str(bucket) / f).exists() for f in view.files) or not view.rows
         expected = _truth_after([truth, changed])
         assert view.rows == expected
         assert view.earliest_wake() == min((r[1] for r in expected.values() if r[1] is not None), default=None)
-        assert len(view.files) < keys.compact_after(bucket)
+        assert len(view.files) <= 4 * max(2, keys.compact_after(bucket, every))
         committed.append((list(view.files), expected))
         history.append(changed)
 
@@ -76,7 +78,9 @@ def test_a_batch_writes_only_the_keys_it_touched_and_a_merge_drops_the_older_fil
     root = str(tmp_path / "keys")
     view = keys.view(root, 3, [], {})
     keys.commit(root, 3, view, {k: (b"x" * 100, 1_000 + k, None) for k in range(10_000)}, {})
-    for n in range(1, keys.compact_after(3) - 1):
+    assert keys._level(view.files[0]) == "b"  # (a bucket's first file is its base)
+    every = keys.compact_after(3)
+    for n in range(1, every):
         files = list(view.files)
         view = keys.view(root, 3, files, {})
         dropped = keys.commit(root, 3, view, {n: (b"y", 5, None), 10_000 + n: (b"z", None, None)}, {})
@@ -84,14 +88,99 @@ def test_a_batch_writes_only_the_keys_it_touched_and_a_merge_drops_the_older_fil
         assert pq.read_metadata(tmp_path / "keys" / "3" / view.files[-1]).num_rows == 2
     files = list(view.files)
     view = keys.view(root, 3, files, {})
-    dropped = keys.commit(root, 3, view, {0: None}, {})  # the bucket's files are merged: one file of every key
-    assert dropped == files and len(view.files) == 1
-    assert pq.read_metadata(tmp_path / "keys" / "3" / view.files[0]).num_rows == len(view.rows) == 10_000 + (keys.compact_after(3) - 2) - 1
+    dropped = keys.commit(root, 3, view, {0: None}, {})  # the runs are merged into one, their rows in order; the base stays
+    assert dropped == files[1:] and view.files[0] == files[0] and len(view.files) == 2
+    assert keys._level(view.files[1]) == "1"
+    assert pq.read_metadata(tmp_path / "keys" / "3" / view.files[1]).num_rows == 2 * (every - 1) + 1
+    files = list(view.files)
+    view = keys.view(root, 3, files, {})
+    dropped = keys.commit(root, 3, view, {k: (b"w" * 200, None, None) for k in range(20_000, 30_000)}, {})  # outweighs the base
+    assert dropped == files and len(view.files) == 1 and keys._level(view.files[0]) == "b"
+    assert pq.read_metadata(tmp_path / "keys" / "3" / view.files[0]).num_rows == len(view.rows) == 20_000 + (every - 1) - 1
     keys.forget()
     again = keys.view(root, 3, view.files, {})
     assert again.rows == view.rows and again.earliest_wake() == 5
     emptied = keys.commit(root, 3, again, {k: None for k in list(again.rows)}, {})
     assert emptied == view.files and again.files == [] and not again.rows  # a bucket without keys keeps no file
+
+
+def _rows_in(tmp_path, bucket, names) -> int:
+    return sum(pq.read_metadata(tmp_path / "keys" / str(bucket) / n).num_rows for n in names)
+
+
+def test_runs_merge_level_by_level_and_a_large_base_is_not_rewritten_for_small_batches(tmp_path):
+    """What a bucket's files cost a batch follows what batches write, not what the bucket holds: a bucket of 10,000
+    keys whose batches change 20 keys each merges its runs level by level, and keeps its base until the runs weigh
+    as much (with a merge of the whole bucket every ~16 files, 300 batches wrote ~190,000 rows). Read back by a
+    process that starts afresh, the files hold every key's newest row."""
+    root = str(tmp_path / "keys")
+    view = keys.view(root, 3, [], {})
+    truth = {k: (b"x" * 100, 100_000 + k, None) for k in range(10_000)}
+    keys.commit(root, 3, view, dict(truth), {}, whole=True)
+    base = view.files[0]
+    every = keys.compact_after(3)
+    rng = random.Random(5)
+    written = 0
+    for batch in range(300):
+        before = set(view.files)
+        view = keys.view(root, 3, list(view.files), {})
+        changed = {k: (f"{k}@{batch}".encode(), 5_000 + batch, None) for k in rng.sample(range(12_000), 20)}
+        for k in rng.sample(sorted(truth), 2):
+            changed[k] = None
+        dropped = keys.commit(root, 3, view, changed, {})
+        truth = _truth_after([truth, changed])
+        assert view.files[0] == base and base not in dropped, f"batch {batch}: the base was rewritten"
+        assert set(dropped) <= before | set(dropped) and not set(dropped) & set(view.files)
+        assert len(view.files) <= 1 + 3 * (every - 1), view.files
+        written += _rows_in(tmp_path, 3, [f for f in view.files if f not in before])
+        assert view.rows == truth
+    assert written <= 3 * 22 * 300, written  # (each row written once as a run, then once per level: ~2 levels here)
+    keys.forget()
+    again = keys.view(root, 3, list(view.files), {})
+    assert again.rows == truth
+    assert again.earliest_wake() == min(r[1] for r in truth.values() if r[1] is not None)
+
+
+def test_a_base_is_rewritten_once_the_runs_outweigh_it(tmp_path):
+    """A small bucket whose batches rewrite most of its keys writes its whole state again soon, dropping every
+    older file; a bucket of files named by an older lakestream (no sizes) is merged as it merged them."""
+    root = str(tmp_path / "keys")
+    view = keys.view(root, 4, [], {})
+    keys.commit(root, 4, view, {k: (b"s" * 50, None, None) for k in range(10)}, {}, whole=True)
+    base = view.files[0]
+    truth = dict(view.rows)
+    for batch in range(4):
+        files = list(view.files)
+        view = keys.view(root, 4, files, {})
+        changed = {k: (b"t" * 60, None, None) for k in range(5)}
+        dropped = keys.commit(root, 4, view, changed, {})
+        truth = _truth_after([truth, changed])
+        if dropped:
+            assert dropped[0] == base and set(dropped) == set(files) and len(view.files) == 1
+            assert keys._level(view.files[0]) == "b"
+            assert pq.read_metadata(tmp_path / "keys" / "4" / view.files[0]).num_rows == len(truth)
+            break
+    else:
+        raise AssertionError("runs of 5 keys x 60 bytes never outweighed a base of 10 keys x 50 bytes")
+    keys.forget()
+    assert keys.view(root, 4, list(view.files), {}).rows == truth
+    # files an older lakestream wrote (names without kind or size): merged into one base after ``compact_after``
+    old = str(tmp_path / "old")
+    view = keys.view(old, 1, [], {})
+    every = keys.compact_after(1)
+    for n in range(every - 1):
+        keys.commit(old, 1, view, {n: (b"o", None, None)}, {})
+        path = tmp_path / "old" / "1" / view.files[-1]
+        legacy = path.with_name(f"{n:032x}.parquet")
+        path.rename(legacy)
+        view.files[-1] = legacy.name
+    keys.forget()
+    view = keys.view(old, 1, list(view.files), {})
+    assert keys._size(view.files[0]) is None and len(view.files) == every - 1
+    dropped = keys.commit(old, 1, view, {"new": (b"n", None, None)}, {})
+    assert len(dropped) == every - 1 and len(view.files) == 1 and keys._level(view.files[0]) == "b"
+    keys.forget()
+    assert set(keys.view(old, 1, list(view.files), {}).rows) == {*range(every - 1), "new"}
 
 
 class _Counter(KeyedProcessFunction):
@@ -105,9 +194,10 @@ class _Counter(KeyedProcessFunction):
         return None
 
 
+@pytest.mark.parametrize("every", [6, 2], ids=["every-6", "every-2"])
 @pytest.mark.parametrize("live", [False, True], ids=["bytes", "objects"])
 @pytest.mark.parametrize("seed", range(4))
-def test_keys_that_remember_many_ids_store_only_what_a_batch_added_and_read_back_whole(tmp_path, seed, live):
+def test_keys_that_remember_many_ids_store_only_what_a_batch_added_and_read_back_whole(tmp_path, seed, live, every):
     """The keyed runtime's remembered ids and buffered elements are most of a busy key's state: a key file keeps a
     key's state without them and the ids and elements the batch added (with the horizon it forgot older ids at and
     the watermark it delivered elements up to), and a reader merges them into the state before. Against the writer's
@@ -144,7 +234,7 @@ def test_keys_that_remember_many_ids_store_only_what_a_batch_added_and_read_back
                 assert r.stored is None or not {"ids", "buf"} & set(pickle.loads(r.stored[0]))
         if rng.random() < 0.1:
             continue  # the call failed before it committed: the view was taken and is rebuilt next time
-        keys.commit(root, 5, view, changed, {}, every=6)
+        keys.commit(root, 5, view, changed, {}, every=every)
         newest = pq.read_table(tmp_path / "keys" / "5" / view.files[-1]) if view.files else None
         if newest is not None and "a" in newest.column_names:
             partial += 1

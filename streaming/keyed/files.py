@@ -7,8 +7,20 @@ without state is a tombstone), newest file last. A row may hold part of the key'
 to it (the remembered ids and buffered elements of the keyed runtime: a key keeps thousands of ids and seconds of
 elements, a batch adds a few), which the reader merges with the key's state before it. A bucket's call reads the rows of the keys it runs from
 this process's view of the bucket (:class:`BucketView`) and writes one file with the rows that changed.
-Every ``compact_after`` files (a little more or less per bucket, so buckets do not all merge in the same
-batch) the call writes the bucket's whole state as one file instead, and the older files are dropped.
+A bucket's files are merged as a log-structured store merges its runs, so that what a batch pays for them follows
+what batches write, not what the bucket holds:
+
+* a file is a **base** (the bucket's whole state, written by one call) or a **run** of a level: a call's own rows are
+  a run of level 0, and once ``compact_after`` runs of one level end the list (a little more or less per bucket, so
+  buckets do not all merge in the same batch) they are concatenated, rows in order, into one run of the next level;
+* a bucket's first file is a base; once the runs after the base hold as many bytes as the base (give or take a
+  quarter, by bucket), the call writes the bucket's whole state as a new base instead, and every older file is
+  dropped. A bucket that grows by a batch's worth of keys at a time so writes its whole state after each doubling.
+
+Each name says what the file is and its size (``<id>.b<bytes>.parquet``, ``<id>.r<level>-<bytes>.parquet``). Names
+without them were written by an older lakestream: such a bucket is merged as that version merged it (its whole state
+as one file once it has ``compact_after`` files), which gives it a base. A row is rewritten once per level and once per base: a bucket of 60k keys whose batches change 1k of them
+writes its whole state every ~60 batches, not every ~16 (bench/HISTORY.md, 2026-12-01 late morning).
 
 So a batch's cost follows the keys it touches, not the keys the stream remembers. Each Python worker keeps
 the views it has built in memory (about 400 bytes per key beside its state bytes): a worker reads only the files it has not
@@ -27,6 +39,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import pickle
+import re
 import threading
 import time
 import uuid
@@ -172,9 +185,9 @@ def compact_after(bucket: Any, every: int | None = None) -> int:
 def commit(root: str, bucket: Any, current: BucketView, changed: Mapping[Any, tuple | None],
            options: Mapping[str, Any], *, whole: bool = False, every: int | None = None) -> list[str]:
     """Apply the rows of ``changed`` keys (None: the key is gone) to the view and write them as the bucket's
-    next file; or, ``whole`` or once the bucket has ``compact_after(bucket, every)`` files, its whole state as one file (a
-    bucket left without keys keeps no file). Returns the names of the files dropped (the bucket's files are
-    then ``current.files``).
+    next file, a run of level 0, merging runs as the module says; or, ``whole`` or once the runs outweigh the base,
+    its whole state as one file, a base (a bucket left without keys keeps no file). Returns the names of the files
+    dropped (the bucket's files are then ``current.files``).
 
     A changed row may carry a fourth value, what the file keeps of it: (part of the state, what the call added to
     the state before it), which a reader's ``merge`` (see :func:`view`) turns back into the state. A key with an
@@ -192,24 +205,92 @@ def commit(root: str, bucket: Any, current: BucketView, changed: Mapping[Any, tu
         current._set(key, None if row is None else row[:3])
     current._taken.clear()
     dropped: list[str] = []
-    if not current.rows or whole or len(current.files) + 1 >= compact_after(bucket, every):
+    if not current.rows or whole:
         dropped, current.files = current.files, []
-        rows = list(current.rows.items())
-    else:
-        rows = list(changed.items())
-    if rows:
-        current.files.append(_write(root, bucket, rows, options))
+        if current.rows:
+            current.files.append(_put(root, bucket, _table(list(current.rows.items())), True, 0, options))
+        current.busy = False
+        return dropped
+    files = current.files
+    table = _table(list(changed.items())) if changed else None
+    every_n = compact_after(bucket, every)
+    base = _size(files[0]) if files and _level(files[0]) == "b" else None
+    sizes = [_size(f) for f in (files[1:] if base is not None else files)]
+    if table is not None:
+        sizes.append(table.nbytes)
+    if None in sizes:  # files an older lakestream named: merged as it merged them
+        rewrite = len(sizes) >= every_n
+    elif base is None:  # a bucket's first file is its base
+        rewrite = True
+    else:  # (the cap on files: a bound for a reader that starts afresh, not expected before the runs outweigh the base)
+        # "as much as the base", give or take a quarter by bucket as ``compact_after`` is: buckets fill alike, and
+        # would otherwise write their whole states in the same batch
+        rewrite = sum(sizes) * (every or COMPACT_AFTER) >= base * every_n or len(sizes) >= 4 * max(2, every_n)
+    if rewrite:
+        dropped, current.files = list(files), [_put(root, bucket, _table(list(current.rows.items())), True, 0, options)]
+    elif table is not None:
+        per_level, level = max(2, every_n), 0
+        while True:  # the trailing runs of a level, with this one ``per_level`` of them: one run of the next level
+            n = 0
+            while n < len(files) and _level(files[-1 - n]) == str(level):
+                n += 1
+            if n + 1 < per_level:
+                files.append(_put(root, bucket, table, False, level, options))
+                break
+            merged = files[-n:]
+            del files[-n:]
+            table = _concatenated(root, bucket, merged, table, options)
+            dropped.extend(merged)
+            level += 1
     current.busy = False
     return dropped
 
 
-def _write(root: str, bucket: Any, rows: list[tuple[Any, Row | None]], options: Mapping[str, Any]) -> str:
+_NAME = re.compile(r"\.(?:b(?P<base>\d+)|r(?P<level>\d+)-(?P<size>\d+))\.parquet$")
+
+
+def _level(name: str) -> str:
+    """A file's kind: ``b`` (a base) or its run's level as text (``0`` for names that do not say)."""
+    m = _NAME.search(name)
+    return "0" if m is None else "b" if m["base"] is not None else m["level"]
+
+
+def _size(name: str) -> int | None:
+    """A file's size in bytes (as Arrow holds its rows), as its name says (None: a name that does not say)."""
+    m = _NAME.search(name)
+    return None if m is None else int(m["base"] if m["base"] is not None else m["size"])
+
+
+def _put(root: str, bucket: Any, table, base: bool, level: int, options: Mapping[str, Any]) -> str:
+    """Write ``table`` as a new file of the bucket: a base, or a run of ``level`` (its name says which, and its size)."""
+    import pyarrow.parquet as pq
+
+    name = f"{uuid.uuid4().hex}.{f'b{table.nbytes}' if base else f'r{level}-{table.nbytes}'}.parquet"
+    fs, folder = _filesystem(f"{root}/{bucket}", options)
+    fs.makedirs(folder, exist_ok=True)
+    pq.write_table(table, f"{folder}/{name}", filesystem=fs, compression="lz4")
+    return name
+
+
+def _concatenated(root: str, bucket: Any, names: list[str], last, options: Mapping[str, Any]):
+    """The rows of the files ``names``, then those of the table ``last``, in their order, as one table (a reader
+    applies a file's rows in turn)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    name = f"{uuid.uuid4().hex}.parquet"
-    fs, base = _filesystem(f"{root}/{bucket}", options)
-    fs.makedirs(base, exist_ok=True)
+    fs, folder = _filesystem(f"{root}/{bucket}", options)
+    tables = [*(pq.read_table(f"{folder}/{name}", filesystem=fs) for name in names), last]
+    if any("a" in t.column_names for t in tables):
+        tables = [t if "a" in t.column_names else t.append_column("a", pa.nulls(t.num_rows, pa.binary())) for t in tables]
+    columns = tables[0].column_names
+    return pa.concat_tables([t.select(columns) for t in tables]).combine_chunks()
+
+
+def _table(rows: list[tuple[Any, Row | None]]):
+    """Rows of a bucket's file: the pickled key, the state (or the part of it the file keeps), the wake-ups, and
+    what the call added (``a``, when a row keeps part of its state)."""
+    import pyarrow as pa
+
     stored = [r[3] if r is not None and len(r) > 3 else None for _, r in rows]
     columns = {
         "k": pa.array([pickle.dumps(k, protocol=pickle.HIGHEST_PROTOCOL) for k, _ in rows], pa.binary()),
@@ -220,9 +301,7 @@ def _write(root: str, bucket: Any, rows: list[tuple[Any, Row | None]], options: 
     }
     if any(stored):
         columns["a"] = pa.array([part[1] if part else None for part in stored], pa.binary())
-    table = pa.table(columns)
-    pq.write_table(table, f"{base}/{name}", filesystem=fs, compression="lz4")
-    return name
+    return pa.table(columns)
 
 
 def as_bytes(state) -> bytes:
