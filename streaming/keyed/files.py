@@ -19,8 +19,9 @@ what batches write, not what the bucket holds:
 
 Each name says what the file is and its size (``<id>.b<bytes>.parquet``, ``<id>.r<level>-<bytes>.parquet``). Names
 without them were written by an older lakestream: such a bucket is merged as that version merged it (its whole state
-as one file once it has ``compact_after`` files), which gives it a base. A row is rewritten once per level and once per base: a bucket of 60k keys whose batches change 1k of them
-writes its whole state every ~60 batches, not every ~16 (bench/HISTORY.md, 2026-12-01 late morning).
+as one file once it has ``compact_after`` files), which gives it a base. A row is rewritten once per level and about
+once per base: a bucket of 60k keys whose batches change 1k of them writes its whole state every ~60 batches, not
+every ~16 (bench/HISTORY.md, 2026-12-01 late morning).
 
 So a batch's cost follows the keys it touches, not the keys the stream remembers. Each Python worker keeps
 the views it has built in memory (about 400 bytes per key beside its state bytes): a worker reads only the files it has not
