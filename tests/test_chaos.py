@@ -173,7 +173,9 @@ def test_an_operators_bad_day_ends_with_every_table_as_its_oracle_says(spark, wa
         os.utime(copied, (ten_days_ago, ten_days_ago))
         feeder.join(timeout=300)
         total = len(list(landing.iterdir()))
-        assert _wait_for(lambda: _commits(home, JOBS[0]) >= 1 and _inspect_waiting(home) == 0, 300), \
+        assert _wait_for(lambda: proc.poll() is not None or (_commits(home, JOBS[0]) >= 1 and _inspect_waiting(home) == 0),
+                         300), (home / "app.log").read_text()[-3000:]
+        assert proc.poll() is None, f"the application ended ({proc.returncode}) with files waiting:\n" + \
             (home / "app.log").read_text()[-3000:]
         os.killpg(proc.pid, signal.SIGINT)  # stopped as Ctrl-C stops it: after the current batch
         assert proc.wait(timeout=120) == 0, (home / "app.log").read_text()[-3000:]
