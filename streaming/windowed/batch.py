@@ -67,8 +67,10 @@ MAX_REPEATS = 10_000
 # under the latency feed (5k payments/s, alternated whole runs) batches 0.65-0.73 s apart against 0.76-0.85 s when the
 # lookup was a Python task of the statistics job.
 DRIVER_LOOKUP_LINES = 100_000
-# A batch expected to be large brings every id of it to the driver (32 bytes each) when Spark estimates its input at no
-# more than this (~120k payment lines; see ``LARGE_BATCH_BYTES``): a backlog arriving after ordinary batches does not.
+# A batch expected to be large brings every id of it to the driver (40 bytes each), which then writes the ids the batch
+# remembers, when Spark estimates its input at no more than this (~120k payment lines; see ``LARGE_BATCH_BYTES``): a
+# backlog arriving after ordinary batches does not. (Raised to 400 MB, a stream's one batch of 1M payments came to the
+# driver too: the Arrow collect cost more than the Spark job writing the ids, 1.07x the whole process's wall time.)
 DRIVER_LOOKUP_BYTES = 40_000_000
 TAG = "_line"  # a line's number within its batch (see ``WindowedBatch._tagged``)
 # A delivery's place in the arrival order, then in the batch, as one number an aggregate can take the least of
@@ -177,6 +179,8 @@ class WindowedBatch:
     _repeats: tuple[list[int], list[int], list[int]] | None | object = _UNKNOWN
     _remembered_found: tuple[list[int], list[int]] | None = None  # remembered ids found by the statistics job (``_h1``, ``_h2``)
     _batch_ids: np.ndarray | None = None  # the valid lines' hashes, arrival, line and event time (``_stats_and_ids``)
+    # A large batch's ids, one per id: hashes and its first delivery's event time (``_repeats_and_remembered``)
+    _first_ids: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     _observation: Observation | None = None
     _counting: Future | None = None  # bounded: the lines' count, running (see :meth:`count`)
     _lines_seen: Observation | None = None
@@ -274,7 +278,7 @@ class WindowedBatch:
             elif self.expect_large:
                 seen = Observation(f"stats-{job.name}-{next(_OBSERVATIONS)}")
                 lines = observe(self._lines(), seen, packed(self._stat_columns()))
-                if self.store is not None and self.store.id_files() and self.ids_to_driver:
+                if self.ids_to_driver:
                     self._repeats_and_remembered(lines)
                 else:
                     self._repeats = self._find_repeats(lines)
@@ -377,20 +381,25 @@ class WindowedBatch:
         return lookup(self.store.layout.store, self.store.id_files(), self.watermark_in_ms, self.store.storage_options)
 
     def _repeats_and_remembered(self, lines: DataFrame) -> None:
-        """A stream's batch expected to be large, of no more than ``DRIVER_LOOKUP_BYTES`` of input, with remembered
-        ids: the statistics job brings every id of the batch (its hashes, its deliveries and the line kept: 32 bytes
+        """A stream's batch expected to be large, of no more than ``DRIVER_LOOKUP_BYTES`` of input: the statistics job
+        brings every id of the batch (its hashes, its deliveries, the line kept and that line's event time: 40 bytes
         each, as Arrow), and the driver finds both the repeated ids and the remembered ones (as
-        :meth:`_stats_and_ids` does): no lookup job, no cache of the events. Paced 50k-line batches with
-        late events, alternated whole processes: 0.94 of the wall time of a lookup job of their own."""
+        :meth:`_stats_and_ids` does), and writes the ids the batch remembers (:meth:`new_ids`): no lookup job, no
+        cache of the events, no Spark job for the ids. Paced 50k-line batches with late events, alternated whole
+        processes: 0.94 of the wall time of a lookup job of their own."""
         got = collect_arrow(self._repeats_frame(lines, every=True))
         table = pa.Table.from_batches(got) if got else None
         if table is None or not table.num_rows:
             self._repeats, self._remembered_found = ([], [], []), ([], [])
+            self._first_ids = (np.empty(0, np.int64),) * 3
             return
-        h1, h2, n, kept = (table.column(c).to_numpy().astype(np.int64, copy=False) for c in ("_h1", "_h2", "_n", "_kept"))
+        h1, h2, n, kept, t = (table.column(c).to_numpy().astype(np.int64, copy=False)
+                              for c in ("_h1", "_h2", "_n", "_kept", "_t"))
         again = n > 1
         self._repeats = _repeated(h1[again], h2[again], kept[again])
-        self._remembered_by_driver(h1, h2)
+        if self.store is not None and self.store.id_files():
+            self._remembered_by_driver(h1, h2)
+        self._first_ids = (h1, h2, t)
 
     def _remembered_by_driver(self, h1: np.ndarray, h2: np.ndarray) -> None:
         """The driver's lookup of the batch's ids (``seen.remembered_on_driver``): the remembered ones, to filter the
@@ -443,18 +452,24 @@ class WindowedBatch:
 
     def _repeats_frame(self, lines: DataFrame, every: bool = False) -> DataFrame:
         """The ids delivered more than once among ``lines`` (see :meth:`_tagged`): ``_h1``, ``_h2``, ``_kept`` (the
-        line kept); ``every``: every id, with ``_n``, its deliveries."""
-        key = self.job.source.dedup_key
+        line kept); ``every``: every id, with ``_n``, its deliveries, and ``_t``, its first delivery's event time."""
+        key, event_time = self.job.source.dedup_key, self.job.source.event_time
 
         def build():
             hashes, kept = [F.col("_h1"), F.col("_h2")], line_of_order(F.col("_first")).alias("_kept")
-            return ([first_delivery_order().alias("_order"), *id_hashes(F.col(key))], hashes,
-                    [F.count(F.lit(1)).alias("_n"), F.min("_order").alias("_first")], F.col("_n") > 1,
-                    [*hashes, kept], [*hashes, F.col("_n"), kept])
+            columns = [first_delivery_order().alias("_order"), *id_hashes(F.col(key))]
+            aggregates = [F.count(F.lit(1)).alias("_n"), F.min("_order").alias("_first")]
+            # every id: also its first delivery's event time (``_order`` is unique: a hash aggregate, deterministic)
+            t = F.coalesce(F.unix_millis(F.col(event_time)), F.lit(_NO_TIME)).alias("_t")
+            return (columns, hashes, aggregates, F.col("_n") > 1, [*hashes, kept], [*columns, t],
+                    [*aggregates, F.min_by("_t", "_order").alias("_t")], [*hashes, F.col("_n"), kept, F.col("_t")])
 
-        columns, keys, aggregates, repeated, out, every_out = once("repeats", build, self.job)
+        columns, keys, aggregates, repeated, out, every_columns, every_aggregates, every_out = \
+            once("repeats", build, self.job)
+        if every:
+            return select(group(select(self._tagged(lines), every_columns), keys, every_aggregates), every_out)
         grouped = group(select(self._tagged(lines), columns), keys, aggregates)
-        return select(grouped, every_out) if every else select(grouped.where(repeated), out)
+        return select(grouped.where(repeated), out)
 
     def _find_repeats(self, lines: DataFrame) -> tuple[list[int], list[int], list[int]] | None:
         rows = self._repeats_frame(lines).limit(MAX_REPEATS + 1).collect()
@@ -490,21 +505,26 @@ class WindowedBatch:
         return self.events().select(bucket, *hashes, expires.alias("_expires_ms"))
 
     def _ids_on_driver(self) -> pa.Table | None:
-        """:meth:`new_ids` from the ids the statistics job brought (:meth:`_stats_and_ids`), kept by the same tests
-        as :meth:`events` applies to the lines: the first delivery of each repeated id (``repeats``), none that
-        the store remembers (``_remembered_found``). None when the batch did not bring them or filters otherwise
-        (too many repeats or remembered ids: a shuffle or the executors' lookup), or when a line has no event time."""
+        """:meth:`new_ids` from the ids the statistics job brought (:meth:`_stats_and_ids`, or one per id with its
+        first delivery's event time: :meth:`_repeats_and_remembered`), kept by the same tests as :meth:`events`
+        applies to the lines: the first delivery of each repeated id (``repeats``), none that the store remembers
+        (``_remembered_found``). None when the batch did not bring them or filters otherwise (too many repeats or
+        remembered ids: a shuffle or the executors' lookup), or when a line has no event time."""
         lines, repeats = self._batch_ids, self._repeats
-        if lines is None or self.bounded or self.event_range_ms is not None or repeats is None or repeats is _UNKNOWN:
+        if (lines is None and self._first_ids is None) or self.bounded or self.event_range_ms is not None \
+                or repeats is None or repeats is _UNKNOWN:
             return None
         remembered = self._remembered_found
         if remembered is None and self.store is not None and self.store.id_files():
             return None
-        h1, h2, tag, t = lines[:, 0], lines[:, 1], lines[:, 3], lines[:, 4]
+        if lines is not None:
+            h1, h2, tag, t = lines[:, 0], lines[:, 1], lines[:, 3], lines[:, 4]
+        else:
+            (h1, h2, t), tag = self._first_ids, None
         if (t == _NO_TIME).any():
             return None
-        keep = np.ones(len(lines), dtype=bool)
-        if repeats[0]:  # (the frame's test: ``~(h1 in R1 & h2 in R2) | line in kept``)
+        keep = np.ones(len(t), dtype=bool)
+        if repeats[0] and tag is not None:  # (the frame's test: ``~(h1 in R1 & h2 in R2) | line in kept``)
             keep &= ~(np.isin(h1, repeats[0]) & np.isin(h2, repeats[1])) | np.isin(tag, repeats[2])
         if remembered is not None and remembered[0]:
             keep &= ~(np.isin(h1, remembered[0]) & np.isin(h2, remembered[1]))
