@@ -52,7 +52,7 @@ def _cli(home: Path, *args: str, env: dict | None = None, log: str = "cli.log", 
     cmd = [sys.executable, "-m", "lakestream.cli", "--home", str(home), *args]
     out = open(home / log, "a")
     # A process left running writes its errors to the log too: a pipe nobody reads blocks the process once it
-    # holds 64 KiB (Spark's warnings go to stderr), and an error the test never sees explains no failure.
+    # holds 64 KiB (Spark's log and Python's warnings go to stderr), and an error the test never sees explains no failure.
     proc = subprocess.Popen(cmd, env=env or dict(os.environ), stdout=out,
                             stderr=subprocess.PIPE if wait else subprocess.STDOUT, text=True, start_new_session=True)
     if not wait:
