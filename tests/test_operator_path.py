@@ -67,6 +67,17 @@ def _quarantined(spark, settings, job: str) -> int:
     return table.where(table.detected_by == job).agg({"occurrences": "sum"}).first()[0] or 0
 
 
+def _assert_tables_match_the_oracle(spark, settings, landing: Path) -> None:
+    """The job's windows, late rows and quarantined lines, as the plain-Python replay of ``landing`` has them."""
+    truth = _truth(landing)
+    table = sink_for(spark, settings, get_job(JOB).sink, JOB).read()
+    table.createOrReplaceTempView("checked_windows")
+    assert table_windows(spark, "checked_windows") == truth.closed  # fails on a window written twice
+    late = sink_for(spark, settings, get_job(JOB).late_sink, JOB).read().collect()
+    assert sorted(r.event_id for r in late) == sorted(truth.late_ids)
+    assert _quarantined(spark, settings, JOB) == truth.invalid_lines
+
+
 def _crash_at(point: str, batch: int):
     def fault(at: str, batch_id: int) -> None:
         if at == point and batch_id == batch:
@@ -95,13 +106,43 @@ def test_a_savepoint_of_a_stream_that_died_inside_a_batch_restores_without_doubl
     savepoints.restore(get_job(JOB, settings), sp.id)
     _run(spark, settings)
 
-    truth = _truth(landing)
-    table = sink_for(spark, settings, get_job(JOB).sink, JOB).read()
-    table.createOrReplaceTempView("restored_windows")
-    assert table_windows(spark, "restored_windows") == truth.closed  # fails on a window written twice
-    late = sink_for(spark, settings, get_job(JOB).late_sink, JOB).read().collect()
-    assert sorted(r.event_id for r in late) == sorted(truth.late_ids)
-    assert _quarantined(spark, settings, JOB) == truth.invalid_lines
+    _assert_tables_match_the_oracle(spark, settings, landing)
+
+
+@pytest.mark.parametrize("fmt", ["iceberg", "delta"])
+def test_a_first_large_batch_that_wrote_its_ids_in_its_statistics_and_died_is_replayed_once(spark, lake, tmp_path,
+                                                                                           monkeypatch, fmt):
+    """A stream's first batch, large and with its ids kept off the driver, writes its ids file in its statistics job,
+    before its other outputs. It dies after committing its tables, before its record: the next run replays it (the
+    ids written again, in place of the first attempt's), and later batches drop the ids it remembers. Every table
+    matches the plain-Python oracle, and the store holds each id of the batch once."""
+    import pyarrow.parquet as pq
+
+    import streaming.windowed.batch as windowed_batch
+    from streaming.checkpoint.layout import Layout
+
+    monkeypatch.setattr(windowed_batch, "LARGE_BATCH_BYTES", 0)  # (every batch counts as large ...)
+    monkeypatch.setattr(windowed_batch, "DRIVER_LOOKUP_BYTES", 0)  # (... and brings no ids to the driver)
+    wrote = []
+    written = windowed_batch.WindowedBatch._repeats_and_ids
+    monkeypatch.setattr(windowed_batch.WindowedBatch, "_repeats_and_ids",
+                        lambda self, lines: wrote.append(self.batch_id) or written(self, lines))
+    settings = replace(lake, format=fmt).with_job(JOB, max_files_per_trigger=K)
+    landing, files = _staged(settings, tmp_path)
+    _arrive(files[:K], landing)
+    with pytest.raises(Exception, match="injected crash"):
+        _run(spark, settings, fault=_crash_at("before-state", 0))
+    _run(spark, settings)  # replays batch 0
+    _arrive(files[K:], landing)
+    _run(spark, settings)
+
+    assert wrote == [0, 0], "the first attempt and the replay wrote the ids in their statistics job; no later batch"
+    _assert_tables_match_the_oracle(spark, settings, landing)
+    first = [line for p in oracle.files_in_arrival_order(landing)[:K] for line in oracle.read_lines(p)]
+    distinct = {str(e["event_id"]) for e in map(oracle.validate, first) if e is not None}
+    store = Path(Layout(settings.checkpoint_dir(JOB)).store.removeprefix("file:"))
+    ids = pq.read_table(store / "0" / "ids", columns=["_h1", "_h2"]).to_pandas()
+    assert len(ids) == len(distinct) and not ids.duplicated().any()
 
 
 def test_a_restore_of_one_job_keeps_the_quarantine_rows_another_job_wrote_to_the_shared_table(spark, lake, tmp_path):

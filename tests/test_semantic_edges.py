@@ -237,28 +237,36 @@ def test_a_whole_file_delivered_again_in_a_later_batch_counts_once(spark, lake_h
     assert any(joined) == (limit is not None or driver_lines is not None), "the batch with remembered ids took its path"
 
 
-@pytest.mark.parametrize("on_driver, large", [(True, False), (False, False), (True, True)],
-                         ids=["written-by-the-driver", "written-by-spark", "large-written-by-the-driver"])
+@pytest.mark.parametrize("on_driver, large", [(True, False), (False, False), (True, True), (False, True)],
+                         ids=["written-by-the-driver", "written-by-spark", "large-written-by-the-driver",
+                              "large-written-by-the-statistics"])
 def test_the_ids_a_batch_remembers_are_its_first_deliveries_with_their_expiry(spark, lake_home, monkeypatch, on_driver,
                                                                               large):
     """The store's ids of each batch (``checkpoint.store``): one per id the batch counts (its first delivery;
     none of an id an earlier batch counted, whatever its event time now), in its event-time second, forgotten at
     ``max(event time, W_in) + dedup_ttl``. A small batch's ids come from its statistics job and the driver writes
     them; a batch expected to be large brings one row per id with its first delivery's event time, and the driver
-    writes them too; the Spark path (a frame over the events) must say the same. Checked against a plain-Python
-    oracle."""
+    writes them too; a large batch whose ids do not come to the driver, and that no remembered id concerns (the
+    first), writes that aggregate in its statistics job; the Spark path (a frame over the events) must say the same.
+    Checked against a plain-Python oracle."""
     import pyarrow.parquet as pq
 
     import streaming.windowed.batch as windowed_batch
     from streaming.checkpoint.layout import Layout
 
     brought = []  # the batches whose statistics brought every id, one row each (the large path)
+    wrote = []  # the batches whose statistics job wrote their ids
     if large:  # (these batches are small: make them count as large)
         monkeypatch.setattr(windowed_batch, "LARGE_BATCH_BYTES", 0)
         monkeypatch.setattr(windowed_batch, "INTERPRETED_BATCH_LINES", 0)
         every = windowed_batch.WindowedBatch._repeats_and_remembered
         monkeypatch.setattr(windowed_batch.WindowedBatch, "_repeats_and_remembered",
                             lambda self, lines: brought.append(self.batch_id) or every(self, lines))
+        if not on_driver:  # (no batch brings its ids to the driver)
+            monkeypatch.setattr(windowed_batch, "DRIVER_LOOKUP_BYTES", 0)
+        written = windowed_batch.WindowedBatch._repeats_and_ids
+        monkeypatch.setattr(windowed_batch.WindowedBatch, "_repeats_and_ids",
+                            lambda self, lines: wrote.append(self.batch_id) or written(self, lines))
     made = []
     on_the_driver = windowed_batch.WindowedBatch._ids_on_driver
     monkeypatch.setattr(windowed_batch.WindowedBatch, "_ids_on_driver", (lambda self: (
@@ -291,4 +299,5 @@ def test_the_ids_a_batch_remembers_are_its_first_deliveries_with_their_expiry(sp
         got.append(sorted(zip(table["_b"].tolist(), table["_expires_ms"].tolist())))
     assert got == expected
     assert made == ([True] * len(batches) if on_driver else []), "each batch's ids took the path asked for"
-    assert brought == (list(range(len(batches))) if large else []), "the large path brought every id"
+    assert brought == (list(range(len(batches))) if large and on_driver else []), "the large path brought every id"
+    assert wrote == ([0] if large and not on_driver else []), "the first large batch wrote its ids in its statistics"

@@ -378,18 +378,27 @@ def test_a_backfill_whose_transform_reads_fields_it_drops_keeps_them_for_it(spar
     assert transform_inputs(job, parsed.schema) == {"user_id", "event_time", "event_id", "amount", "currency", "card_id"}
 
 
-@pytest.mark.parametrize("small, max_repeats, by_size", [(0, 10_000, False), (0, 10_000, True), (0, 1, False),
-                                                          (None, 10_000, False)],
-                         ids=["filtered", "filtered-first-by-size", "too-many-repeats", "small-batch"])
+@pytest.mark.parametrize("small, max_repeats, by_size, written", [
+    (0, 10_000, False, False), (0, 10_000, True, False), (0, 10_000, True, True), (0, 1, True, True),
+    (0, 1, False, False), (None, 10_000, False, False)],
+    ids=["filtered", "filtered-first-by-size", "filtered-first-written-by-its-statistics",
+         "too-many-repeats-first-written-by-its-statistics", "too-many-repeats", "small-batch"])
 def test_ids_delivered_again_within_a_batch_count_once_and_the_first_line_wins(spark, lake_home, monkeypatch,
-                                                                                small, max_repeats, by_size):
+                                                                                small, max_repeats, by_size, written):
     """A stream's batch drops repeats within it by their hashes, without a shuffle, keeping the first line
     of an id; with more repeated ids than it filters (``MAX_REPEATS``) it numbers each id's deliveries instead.
     A batch of ordinary size finds its repeats on the driver, from the ids its statistics job brings; a batch
-    expected to be large (after a large one, or by the size of its input files) in its statistics job too."""
+    expected to be large (after a large one, or by the size of its input files) in its statistics job too. A large
+    first batch whose ids do not come to the driver (``written``) writes them in its statistics job and reads its
+    repeats back from that file."""
     import streaming.windowed.batch
 
     monkeypatch.setattr(streaming.windowed.batch, "MAX_REPEATS", max_repeats)
+    if written:  # (no batch brings its ids to the driver)
+        monkeypatch.setattr(streaming.windowed.batch, "DRIVER_LOOKUP_BYTES", 0)
+    wrote = streaming.windowed.batch.WindowedBatch._repeats_and_ids
+    monkeypatch.setattr(streaming.windowed.batch.WindowedBatch, "_repeats_and_ids",
+                        lambda self, lines: paths.append("written") or wrote(self, lines))
     if not by_size:  # (the first batch is not known to be large)
         monkeypatch.setattr(streaming.windowed.batch, "LARGE_BATCH_BYTES", 10**15)
     else:
@@ -421,7 +430,7 @@ def test_ids_delivered_again_within_a_batch_count_once_and_the_first_line_wins(s
     assert report.stats.duplicates == 6 and report.stats.events == 8
     assert late == [] == truth.late
     second = ("u1", T0 + 5 * MIN)
-    first = "stats" if by_size else "driver"
+    first = "written" if written else "stats" if by_size else "driver"
     assert paths == ([first, "stats", "stats"] if small is not None else ["driver"] * 3), paths
     if max_repeats > 1:
         assert table == expected(truth)

@@ -148,28 +148,58 @@ class Store:
 
         base = folder or self.layout.store_batch(batch_id)
         frames = {k: v for k, v in frames.items() if v is not None}
+        written = [v for v in frames.values() if isinstance(v, StoreFile)]  # (by ``write_ids_now``)
+        frames = {k: v for k, v in frames.items() if not isinstance(v, StoreFile)}
         if not frames:
-            return []
-        HadoopFS(self.spark).delete(base)  # a replayed batch starts from nothing
+            return written
+        if not written:
+            HadoopFS(self.spark).delete(base)  # a replayed batch starts from nothing
         if len(frames) == 1:
             made = [self._write_kind(batch_id, base, *next(iter(frames.items())))]
         else:
             with ThreadPoolExecutor(max_workers=len(frames), thread_name_prefix="store") as pool:
                 made = [f.result() for f in [pool.submit(self._write_kind, batch_id, base, k, v) for k, v in frames.items()]]
-        return [f for f in made if f is not None]
+        return [*written, *[f for f in made if f is not None]]
 
-    def _write_kind(self, batch_id: int, base: str, kind: str, frame: DataFrame | pa.Table) -> StoreFile | None:
+    def write_ids_now(self, batch_id: int, frame: DataFrame, kept: str, max_repeats: int
+                      ) -> tuple[StoreFile | None, tuple[list[int], list[int], list[int]] | None]:
+        """Write a batch's ids file before the rest of its store (:meth:`write` then keeps it): ``frame`` has the ids
+        columns and ``kept``, the line kept of an id delivered more than once (NULL for the others). Returns the file
+        and the repeated ids (``_h1``, ``_h2``, ``kept``; None when more than ``max_repeats``), read back from it."""
+        from ..spark.hadoopfs import HadoopFS
+
+        base = self.layout.store_batch(batch_id)
+        HadoopFS(self.spark).delete(base)  # a replayed batch starts from nothing
+        made, got = self._write_kind(batch_id, base, "ids", frame, extra=(kept,), observed_too=True)
+        repeats = int(got.get("repeats") or 0)
+        if not repeats:
+            return made, ([], [], [])
+        if repeats > max_repeats:
+            return made, None
+        import fsspec
+        import pyarrow.dataset as ds
+
+        fs, root = fsspec.core.url_to_fs(made.path, **self.storage_options)
+        table = ds.dataset(root, filesystem=fs, format="parquet").to_table(
+            columns=["_h1", "_h2", kept], filter=ds.field(kept).is_valid())
+        return made, tuple(table.column(c).to_pylist() for c in ("_h1", "_h2", kept))
+
+    def _write_kind(self, batch_id: int, base: str, kind: str, frame: DataFrame | pa.Table, extra: tuple = (),
+                    observed_too: bool = False):
         if isinstance(frame, pa.Table):
             return self._write_table(batch_id, base, kind, frame)
-        names = self.schemas[kind].names
+        names = [*self.schemas[kind].names, *extra]
         columns, metrics = once(("store write", kind, tuple(names)), lambda: (
-            [F.col(n) for n in names], packed(_write_metrics(kind))))
+            [F.col(n) for n in names],
+            packed(_write_metrics(kind) + [F.count(F.col(n)).alias("repeats") for n in extra])))
         path = f"{base}/{kind}"
         observation = Observation(f"store-{batch_id}-{kind}-{next(_WRITES)}")
         observe(select(frame, columns), observation, metrics).write.mode("overwrite").parquet(path)
         got = observed(observation)
-        if not got.get("rows"):
-            return None
+        made = None if not got.get("rows") else self._file(batch_id, path, kind, got)
+        return (made, got) if observed_too else made
+
+    def _file(self, batch_id: int, path: str, kind: str, got: dict) -> StoreFile:
         return StoreFile(
             path=path, kind=kind, batch=batch_id, rows=int(got["rows"]), lo=int(got["lo"]), hi=int(got["hi"]),
             expires_ms=int(got["expires"]), bucket_ms=BUCKET_MS, token=uuid.uuid4().hex,

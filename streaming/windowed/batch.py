@@ -44,7 +44,7 @@ from pyspark.sql.window import Window
 
 from ..checkpoint.records import BatchStats
 from ..checkpoint.seen import SEEN_SCHEMA, lookup, remembered_on_driver
-from ..checkpoint.store import BUCKET_MS, IDS_SCHEMA, Store, bucket_of, id_hashes
+from ..checkpoint.store import BUCKET_MS, IDS_SCHEMA, Store, StoreFile, bucket_of, id_hashes
 from ..declaration import WindowedJob
 from ..errors import DeclarationError
 from ..io.parse import ARRIVAL, parse_sources
@@ -72,6 +72,7 @@ DRIVER_LOOKUP_LINES = 100_000
 # backlog arriving after ordinary batches does not. (Raised to 400 MB, a stream's one batch of 1M payments came to the
 # driver too: the Arrow collect cost more than the Spark job writing the ids, 1.07x the whole process's wall time.)
 DRIVER_LOOKUP_BYTES = 40_000_000
+KEPT = "_kept"  # in the ids file a large batch's statistics job writes: the line kept of an id delivered more than once
 TAG = "_line"  # a line's number within its batch (see ``WindowedBatch._tagged``)
 # A delivery's place in the arrival order, then in the batch, as one number an aggregate can take the least of
 # without sorting: ``arrival * 10^19 + line`` (both are longs >= 0, so below 10^19) as a decimal(38, 0), which
@@ -181,6 +182,8 @@ class WindowedBatch:
     _batch_ids: np.ndarray | None = None  # the valid lines' hashes, arrival, line and event time (``_stats_and_ids``)
     # A large batch's ids, one per id: hashes and its first delivery's event time (``_repeats_and_remembered``)
     _first_ids: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    _ids_written: bool = False  # the statistics job wrote the ids the batch remembers (``_repeats_and_ids``)
+    _written_ids: StoreFile | None = None  # ... as this store file (None: no valid line)
     _observation: Observation | None = None
     _counting: Future | None = None  # bounded: the lines' count, running (see :meth:`count`)
     _lines_seen: Observation | None = None
@@ -280,6 +283,8 @@ class WindowedBatch:
                 lines = observe(self._lines(), seen, packed(self._stat_columns()))
                 if self.ids_to_driver:
                     self._repeats_and_remembered(lines)
+                elif self._writes_ids():
+                    self._repeats_and_ids(lines)
                 else:
                     self._repeats = self._find_repeats(lines)
                 row = observed(seen)
@@ -401,6 +406,28 @@ class WindowedBatch:
             self._remembered_by_driver(h1, h2)
         self._first_ids = (h1, h2, t)
 
+    def _writes_ids(self) -> bool:
+        """Whether the statistics job of a large batch writes the ids it remembers (:meth:`_repeats_and_ids`): a
+        stream's batch whose store remembers no ids (its first batch, or one after every id expired)."""
+        return not self.bounded and self.event_range_ms is None and self.store is not None \
+            and not self.store.id_files()
+
+    def _repeats_and_ids(self, lines: DataFrame) -> None:
+        """A large batch that no remembered id can concern: its statistics job aggregates its lines by id (as
+        :meth:`_find_repeats` does) and writes that aggregate as the store's new ids file, one row per id with its
+        first delivery's event time, and the line kept of each id delivered more than once (NULL otherwise); the
+        driver then reads those lines back. No pass over the cached lines for the ids, and no second hashing. (A batch
+        with remembered ids keeps the other path: written again, a remembered id would be forgotten later.) The default
+        stream's one batch of 1M payments: its outputs' commits ~3.1 s against ~5.7 s, its statistics ~1 s longer;
+        whole processes 0.91 and 0.99 of the wall time in two sets of alternated pairs on Iceberg, 1.01 on Delta."""
+        t = F.when(F.col("_t") != F.lit(_NO_TIME), F.col("_t"))
+        expires = F.greatest(as_param(t), param(self.watermark_in_ms)).cast("long") + F.lit(self.ttl_ms)
+        ids = self._repeats_frame(lines, every=True).select(
+            bucket_of(t).alias("_b"), "_h1", "_h2", expires.alias("_expires_ms"),
+            F.when(F.col("_n") > 1, F.col("_kept")).alias(KEPT))
+        self._written_ids, self._repeats = self.store.write_ids_now(self.batch_id, ids, KEPT, MAX_REPEATS)
+        self._ids_written = True
+
     def _remembered_by_driver(self, h1: np.ndarray, h2: np.ndarray) -> None:
         """The driver's lookup of the batch's ids (``seen.remembered_on_driver``): the remembered ones, to filter the
         events by; left unknown when more than ``MAX_REPEATS`` (the events join the executors' lookup instead)."""
@@ -496,6 +523,8 @@ class WindowedBatch:
         """The ids this batch brings, with when they are forgotten: ``max(event time, W_in) + dedup_ttl``. A batch
         whose statistics brought its ids finds them on the driver, as :meth:`events` filters them (an Arrow table:
         the store writes it without a Spark job); other batches as a frame over :meth:`events`."""
+        if self._ids_written:
+            return self._written_ids
         found = self._ids_on_driver()
         if found is not None:
             return found
