@@ -7,7 +7,9 @@ Three kinds of rows, each batch writing one folder ``lakestream/store/<batch>/<k
   second; informational) and when it is forgotten (``expires_ms = max(event time, W_in) + dedup_ttl``).
   A batch looks its ids up whatever their event time (a re-delivery may carry another one) in an
   in-memory index of the live files on the executors (``seen``): it costs what the batch brings, not
-  a read of every remembered id. A file is dropped whole once every id in it has expired.
+  a read of every remembered id. A file is dropped whole once every id in it has expired. A large batch
+  whose store remembers no ids writes its file from its statistics job (``write_ids_now``), with one more
+  column, ``_kept`` (the line kept of an id delivered more than once); every reader selects its columns by name.
 * ``pieces`` — partial aggregates of the on-time events of one batch per window (sessions: per
   merged interval). A window's value is the combination of its pieces; a batch reads the pieces of
   the windows that fire or are corrected, nothing else.
