@@ -172,8 +172,8 @@ class Store:
 
         base = self.layout.store_batch(batch_id)
         HadoopFS(self.spark).delete(base)  # a replayed batch starts from nothing
-        made, got = self._write_kind(batch_id, base, "ids", frame, extra=(kept,), observed_too=True)
-        repeats = int(got.get("repeats") or 0)
+        made, got = self._write_frame(batch_id, base, "ids", frame, kept)
+        repeats = int(got.get("kept") or 0)
         if not repeats:
             return made, ([], [], [])
         if repeats > max_repeats:
@@ -186,26 +186,29 @@ class Store:
             columns=["_h1", "_h2", kept], filter=ds.field(kept).is_valid())
         return made, tuple(table.column(c).to_pylist() for c in ("_h1", "_h2", kept))
 
-    def _write_kind(self, batch_id: int, base: str, kind: str, frame: DataFrame | pa.Table, extra: tuple = (),
-                    observed_too: bool = False):
+    def _write_kind(self, batch_id: int, base: str, kind: str, frame: DataFrame | pa.Table) -> StoreFile | None:
         if isinstance(frame, pa.Table):
             return self._write_table(batch_id, base, kind, frame)
-        names = [*self.schemas[kind].names, *extra]
+        return self._write_frame(batch_id, base, kind, frame)[0]
+
+    def _write_frame(self, batch_id: int, base: str, kind: str, frame: DataFrame, kept: str | None = None
+                     ) -> tuple[StoreFile | None, dict]:
+        """Write ``frame``'s columns of ``kind`` (and ``kept``, counted where not NULL as the metric ``kept``) by a
+        Spark job: the file (None: no rows) and the write's metrics."""
+        names = [*self.schemas[kind].names, *([kept] if kept else [])]
         columns, metrics = once(("store write", kind, tuple(names)), lambda: (
             [F.col(n) for n in names],
-            packed(_write_metrics(kind) + [F.count(F.col(n)).alias("repeats") for n in extra])))
+            packed(_write_metrics(kind) + ([F.count(F.col(kept)).alias("kept")] if kept else []))))
         path = f"{base}/{kind}"
         observation = Observation(f"store-{batch_id}-{kind}-{next(_WRITES)}")
         observe(select(frame, columns), observation, metrics).write.mode("overwrite").parquet(path)
         got = observed(observation)
-        made = None if not got.get("rows") else self._file(batch_id, path, kind, got)
-        return (made, got) if observed_too else made
-
-    def _file(self, batch_id: int, path: str, kind: str, got: dict) -> StoreFile:
+        if not got.get("rows"):
+            return None, got
         return StoreFile(
             path=path, kind=kind, batch=batch_id, rows=int(got["rows"]), lo=int(got["lo"]), hi=int(got["hi"]),
             expires_ms=int(got["expires"]), bucket_ms=BUCKET_MS, token=uuid.uuid4().hex,
-        )
+        ), got
 
     def _write_table(self, batch_id: int, base: str, kind: str, table: pa.Table) -> StoreFile | None:
         """Rows the driver holds (a small batch's ids: ``WindowedBatch.new_ids``), written as Spark would write them,

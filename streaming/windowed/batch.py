@@ -182,8 +182,8 @@ class WindowedBatch:
     _batch_ids: np.ndarray | None = None  # the valid lines' hashes, arrival, line and event time (``_stats_and_ids``)
     # A large batch's ids, one per id: hashes and its first delivery's event time (``_repeats_and_remembered``)
     _first_ids: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-    _ids_written: bool = False  # the statistics job wrote the ids the batch remembers (``_repeats_and_ids``)
-    _written_ids: StoreFile | None = None  # ... as this store file (None: no valid line)
+    # The ids the batch remembers, as the store file its statistics job wrote (``_repeats_and_ids``; None: no valid line)
+    _written_ids: StoreFile | None | object = _UNKNOWN
     _observation: Observation | None = None
     _counting: Future | None = None  # bounded: the lines' count, running (see :meth:`count`)
     _lines_seen: Observation | None = None
@@ -426,7 +426,6 @@ class WindowedBatch:
             bucket_of(t).alias("_b"), "_h1", "_h2", expires.alias("_expires_ms"),
             F.when(F.col("_n") > 1, F.col("_kept")).alias(KEPT))
         self._written_ids, self._repeats = self.store.write_ids_now(self.batch_id, ids, KEPT, MAX_REPEATS)
-        self._ids_written = True
 
     def _remembered_by_driver(self, h1: np.ndarray, h2: np.ndarray) -> None:
         """The driver's lookup of the batch's ids (``seen.remembered_on_driver``): the remembered ones, to filter the
@@ -523,8 +522,8 @@ class WindowedBatch:
         """The ids this batch brings, with when they are forgotten: ``max(event time, W_in) + dedup_ttl``. A batch
         whose statistics brought its ids finds them on the driver, as :meth:`events` filters them (an Arrow table:
         the store writes it without a Spark job); other batches as a frame over :meth:`events`."""
-        if self._ids_written:
-            return self._written_ids
+        if self._written_ids is not _UNKNOWN:
+            return self._written_ids  # type: ignore[return-value]
         found = self._ids_on_driver()
         if found is not None:
             return found
