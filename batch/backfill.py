@@ -44,7 +44,7 @@ from streaming.checkpoint.tree import file_key
 from streaming.spark.jvm import cached_leaf
 from streaming.spark.metrics import observe, observed
 from streaming.io.schemas import late_time_column, main_time_column
-from streaming.io.tables import job_sinks
+from streaming.io.tables import TablesPending, job_sinks
 
 from .bounded import compute, read_landing  # noqa: F401 - read_landing is part of this module's API
 
@@ -169,7 +169,10 @@ def _backfill(spark, settings: Settings, job: Job, start: datetime, end: datetim
     if owner.forced_range is not None:  # recorded before anything is written: the stream upserts there on resume
         state = EngineState(spark, settings.checkpoint_dir(job.name))
         state.save_forced_ranges([*state.forced_ranges(), owner.forced_range])
-    sinks = job_sinks(spark, settings, job)
+    # The tables are created or checked while the range is read (see ``io.tables.TablesPending``); nothing is
+    # written to them before they exist
+    pending = TablesPending(spark, settings, job)
+    sinks = job_sinks(spark, settings, job, create=False)
     days = day_partitions(lo, hi)
     tables = 2 + len(job.sources)
     say(f"{job.name}: backfill [{iso_ms(start)}, {iso_ms(end)}): {days} day partition(s) in each of {tables} tables")
@@ -182,6 +185,7 @@ def _backfill(spark, settings: Settings, job: Job, start: datetime, end: datetim
         # main table's commit: it removes late rows whose events the main table now counts.
         from streaming.run.side import side_rows_committed
 
+        pending.wait()
         side_rows_committed(spark, settings, job, say, lease=owner.lease)  # (what the stream keeps, in its tables)
         read = _read_by_stream(settings, job)
         with ThreadPoolExecutor(max_workers=len(result.quarantine) + 1, thread_name_prefix=f"backfill-{job.name}") as pool:

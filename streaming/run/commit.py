@@ -140,6 +140,13 @@ class Handler:
         self.records: Records | None = None
         self.state: EngineState | None = None
         self.expiry: SnapshotExpiry | None = None  # set by the runner: a stream expires its own tables' snapshots
+        self.pending_tables = None  # the tables being created or checked meanwhile (``io.tables.TablesPending``), if they are
+
+    def tables_ready(self) -> None:
+        """Wait until the job's tables exist (see ``io.tables.TablesPending``): before anything is committed to them."""
+        if self.pending_tables is not None:
+            self.pending_tables.wait()
+            self.pending_tables = None
 
     def _start(self, spark) -> None:
         """Once per run: the query id, the restore epoch, and which batch Spark may be replaying."""
@@ -163,7 +170,8 @@ class Handler:
         commit a replay may look up is newer than the expiry. A batch that may itself be a replay (whose commits
         from before a crash are in the tables) does not expire."""
         self._start(spark)
-        if self.expiry is not None and batch_id != self._replay:
+        if self.expiry is not None and batch_id != self._replay and self.expiry.due():
+            self.tables_ready()
             self.expiry.maybe_run()
 
     def before_start(self, spark, resuming: bool) -> None:
@@ -192,6 +200,8 @@ class Handler:
         the same), and reported only when it had rows."""
         replay = batch_id == self._replay
         todo = [o for o in outputs if o.rows or o.counted_while_written]
+        if todo:
+            self.tables_ready()
         if self.lease is not None and todo:
             self.lease.check()
         seen: dict[int, Observation] = {}
@@ -261,8 +271,11 @@ class SnapshotExpiry:
         self.say = say
         self.last = time.monotonic()
 
+    def due(self) -> bool:
+        return time.monotonic() - self.last >= self.every_s
+
     def maybe_run(self) -> None:
-        if time.monotonic() - self.last < self.every_s:
+        if not self.due():
             return
         self.last = time.monotonic()
         for sink in self.sinks:

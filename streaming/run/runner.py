@@ -31,7 +31,7 @@ from ..checkpoint.layout import Layout
 from ..spark.session import stream_session
 from ..keyed.function import PROCESSING_TIME
 from ..settings import Settings
-from ..io.tables import job_sinks
+from ..io.tables import TablesPending, job_sinks
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +103,15 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
     partitions = stream_partitions(spark, job, stored_shuffle_partitions(fs, checkpoint) if resuming else None)
     if resuming:
         check_resume(spark, job, checkpoint, partitions)
-    sinks = job_sinks(spark, settings, job)
+    # The tables are created or checked on a thread of their own while the query starts and its first batch runs;
+    # its first commit waits for them (a fresh home's four tables took ~1.4 s on the critical path of a cold start)
+    tables = TablesPending(spark, settings, job)
+    sinks = job_sinks(spark, settings, job, create=False)
     raw = raw_stream(spark, settings, job)
     report = StreamReport(job=job.name)
     if isinstance(job, KeyedJob):
         from ..io.parse import parse_sources
-        from ..spark.keyed import bucket_labels, key_buckets, stream_frame
+        from ..spark.keyed import bucket_labels, key_buckets, main_schema, stream_frame
         from ..checkpoint.records import EngineState
 
         record = EngineState(spark, checkpoint).latest_record() if resuming else None
@@ -116,7 +119,7 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
         labels = bucket_labels(record, buckets, partitions)
         stream = stream_frame(job, parse_sources(job, raw), buckets, labels, store=Layout(checkpoint).keys,
                               options=settings.storage_options)
-        handler = KeyedHandler(job, checkpoint, sinks, progress, report, fault, lease, main_schema=sinks.schemas["main"],
+        handler = KeyedHandler(job, checkpoint, sinks, progress, report, fault, lease, main_schema=main_schema(job),
                                key_buckets=buckets, bucket_labels=labels)
     else:
         from ..io.tables import store_schemas
@@ -125,6 +128,7 @@ def start_stream(spark, settings: Settings, job: Job, *, available_now: bool, pr
         handler = WindowedHandler(job, checkpoint, sinks, progress, report, fault, lease,
                                   store_schemas=store_schemas(spark, job), storage_options=settings.storage_options,
                                   side_every_ms=int(settings.side_outputs_every_of(job.name).total_seconds() * 1000))
+    handler.pending_tables = tables
     handler.before_start(spark, resuming)
     report.handler = handler
     if resuming and isinstance(handler, WindowedHandler):  # side rows a crash left in the checkpoint
@@ -251,6 +255,13 @@ def run_stream(spark, settings: Settings, job: Job, *, available_now: bool,
                        install_signal_handlers=install_signal_handlers, fault=fault, tick=tick)[0]
 
 
+def _tables_error(r, wait: bool = False) -> BaseException | None:
+    """What the creation of a stream's tables raised (``io.tables.TablesPending``), once it ended (``wait``: for it
+    to end, when the stream failed: its error is then the cause)."""
+    tables = getattr(r.report.handler, "pending_tables", None)
+    return None if tables is None else tables.error(wait=wait)
+
+
 class _Running:
     def __init__(self, job: Job, query, report: StreamReport, lease: Lease):
         self.job, self.query, self.report, self.lease = job, query, report, lease
@@ -328,10 +339,13 @@ def run_streams(
             if stop_together and polls % 4 == 0 and any(r.lease.stop_requested() for r in running):
                 stop.set()
             for r in list(running):
+                failed = _tables_error(r)
+                if failed is not None:  # (the batch waiting for them fails too: this is its cause, said plainly)
+                    raise failed
                 if not r.query.isActive:
                     running.remove(r)
                     if r.query.exception() is not None:
-                        raise r.query.exception()
+                        raise _tables_error(r, wait=True) or r.query.exception()
                     settle_side_outputs(spark, r, progress, at_stop=True)
                     r.lease.release()
                 elif stop.is_set() or (polls % 4 == 0 and r.lease.stop_requested()) or (
@@ -350,7 +364,8 @@ def run_streams(
                         tick(r.query)
         for r in started:
             if r.query.exception() is not None:
-                raise r.query.exception()
+                raise _tables_error(r, wait=True) or r.query.exception()
+            r.report.handler.tables_ready()  # (a stream that committed nothing leaves its tables created all the same)
     except BaseException:
         for r in started:
             if r.query.isActive:  # interrupted, or another query failed: stop after the current batch

@@ -67,6 +67,7 @@ class WindowedHandler(Handler):
                 record = self.records.latest() or self.state.latest_record()
             if record is None or not record.pending or (only_if_due and not side.due(record.pending, self.side_every_ms)):
                 return 0
+            self.tables_ready()
             if self.lease is not None:
                 self.lease.check()
             started = time.perf_counter()
