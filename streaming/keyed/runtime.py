@@ -287,14 +287,16 @@ class KeyedRuntime:
     # -- one key -------------------------------------------------------------------------
     def process(self, key: tuple, state: "bytes | Live | None", events: Iterable[tuple[int, str, tuple]],
                 watermark_ms: int, processing_time_ms: int, *, bounded: bool = False,
-                decoded: bool = False, live: bool = False) -> KeyResult:
+                decoded: bool = False, live: bool = False, unique_sorted: bool = False) -> KeyResult:
         """``events``: (event time ms, dedup key, payload row) in arrival order; ``decoded``: their rows hold
         the values the function sees already (a binding that delivers every element in the same call, as a
         bounded run does, decodes whole columns at once), and ``state`` buffers none. ``state``: the key's bytes, or
         a :class:`Live` state, which the call takes over; ``live``: the result's state is one (else bytes).
 
         Stream: ``watermark_ms`` is the batch's watermark. Bounded: every element is on time and
-        at the end every timer fires (``watermark_ms`` is ignored).
+        at the end every timer fires (``watermark_ms`` is ignored). ``unique_sorted`` (bounded, no state): ``events`` is a
+        list of each id once, in (event time, id) order (the binding deduplicated and sorted them as this would); the
+        list becomes the key's buffer, and the result counts no duplicates.
         """
         if isinstance(state, Live):
             store, event_timers, processing_timers, buffer, seen = state.take()
@@ -319,7 +321,12 @@ class KeyedRuntime:
         inputs = duplicates = 0
         max_t = None
         arrived = False
-        if bounded and not seen:
+        if unique_sorted and bounded and not seen:
+            buffer = events  # (the call's own list: delivered and emptied below)
+            inputs = len(buffer)
+            max_t = buffer[-1][0] if buffer else None
+            arrived = False  # (sorted already)
+        elif bounded and not seen:
             # A bounded run hands a key all its elements at once and keeps no state after it, so its ids are a
             # plain set: nothing is late, nothing is forgotten before the end (see ``_finish``).
             ids: set = set()

@@ -31,6 +31,7 @@ from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Iterator
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 from pyspark.sql import DataFrame
@@ -408,6 +409,63 @@ class _Adapter:
             self._files = (ids, pdf[LATE_FILE], pdf[LATE_EVENT])
         return grouped
 
+    def bounded_by_key(self, pdf: pd.DataFrame) -> "tuple[list[tuple[tuple, list]], int, int, int | None] | None":
+        """A bounded call's events per key as the runtime's ``unique_sorted`` takes them: each id of a key once (its
+        first delivery, as the runtime's own dedup keeps it) and in (event time, id) order, grouped, deduplicated and
+        ordered by pandas and numpy a column at a time instead of an element at a time (the element-wise grouping was about
+        half of a bounded bucket call's CPU for ``large_amount_alerts`` over the bench's payments; this path takes 0.86 of
+        the call's CPU, and 0.94 for ``rolling_spend``, whose own function dominates). Also the call's inputs,
+        duplicates and latest event time, duplicates included. None: a bucket this does not take (several key columns,
+        an event time or id that is not a number or a text), which goes the element-wise way (:meth:`by_key`)."""
+        wire = self.wire
+        if len(wire.keys) != 1 or not wire.time_from_payload or not len(pdf):
+            return None
+        t_us = pdf[wire.time].to_numpy()
+        id_values = pdf[wire.id].to_numpy()
+        if t_us.dtype.kind != "i" or id_values.dtype != object:
+            return None
+        ids = id_values.tolist()
+        if any(type(v) is not str for v in ids):  # (a NULL id: its order against a text is the runtime's to refuse)
+            return None
+        key_column = pdf[wire.keys[0]]
+        if key_column.dtype != object and key_column.dtype.kind != "i":
+            return None
+        codes, uniques = pd.factorize(key_column, use_na_sentinel=False)
+        t_ms = t_us // 1000
+        n = len(ids)
+        first = ~pd.DataFrame({"k": codes, "i": id_values}).duplicated().to_numpy()
+        kept = np.flatnonzero(first)
+        order = kept[np.lexsort((t_ms[kept], codes[kept]))]  # (stable: a key's elements of one time in arrival order)
+        sorted_codes, sorted_t = codes[order], t_ms[order]
+        ties = np.flatnonzero((sorted_codes[1:] == sorted_codes[:-1]) & (sorted_t[1:] == sorted_t[:-1]))
+        if len(ties):  # elements of one key and time: in id order, as the runtime sorts them
+            start = ties[0]
+            for i, j in zip(ties, [*ties[1:], -2]):
+                if j != i + 1:  # a run of ties ends at i + 1
+                    run = order[start:i + 2]
+                    order[start:i + 2] = sorted(run.tolist(), key=ids.__getitem__)
+                    start = j
+        times = t_ms[order].tolist()
+        ordered_ids = [ids[i] for i in order.tolist()]
+        columns = []
+        for name, kind in zip(self.payload_names, self.payload_kinds):
+            column = pdf[PAYLOAD + name]
+            values = column.to_numpy()[order].tolist() if column.dtype == object else None
+            if values is None or None in values:
+                values = _values(column.iloc[order], kind)
+            if kind in _DECODERS:
+                values = _decoded(values, kind)
+            columns.append(values)
+        rows = list(zip(*columns)) if columns else [()] * len(order)
+        events = list(zip(times, ordered_ids, rows))
+        key_kind = wire.key_kinds[0]
+        key_values = _values(pd.Series(uniques, dtype=object), "other" if key_kind in _DECODERS else key_kind)
+        if key_kind in _DECODERS:
+            key_values = [None if v is None else _DECODERS[key_kind](v) for v in key_values]
+        bounds = [0, *(np.flatnonzero(sorted_codes[1:] != sorted_codes[:-1]) + 1).tolist(), len(order)]
+        grouped = [((key_values[sorted_codes[lo]],), events[lo:hi]) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+        return grouped, n, n - len(kept), int(t_ms.max())
+
     def quarantine(self, pdf: pd.DataFrame) -> pd.DataFrame:
         """The batch's invalid lines (they all travel under the NULL bucket, so one call sees them all), one
         row per distinct line of a file with its number of occurrences: counted here, the quarantine tables'
@@ -480,6 +538,8 @@ class _Adapter:
         clock) has reached, and return its output rows and one row of statistics. ``view``: the bucket's keys
         as they were before the batch (None: a bounded run, no state); ``commit(changed)`` stores the keys'
         new rows (None: the key is gone) and returns the names of the files it dropped."""
+        if bounded and (fast := self.bounded_by_key(pdf)) is not None:
+            return self._bounded_bucket(*fast, now_ms)
         events = self.by_key(pdf, decoded=bounded)  # (bounded: every element is delivered in this call)
         known = view.rows if view is not None else {}
         due: list = []
@@ -515,6 +575,16 @@ class _Adapter:
             rows.side_row("stats", None, {"_s_in": inputs, "_s_dup": duplicates, "_s_max_t": max_t, "_s_wm": watermark,
                                           "_s_rm": ",".join(dropped) or None})
         return self.frame(rows, alone=bounded)
+
+    def _bounded_bucket(self, grouped: list, inputs: int, duplicates: int, max_t: int | None, now_ms: int) -> pd.DataFrame:
+        """:meth:`process_bucket` of a bounded call whose events :meth:`bounded_by_key` grouped."""
+        rows = _Rows()
+        process, result_rows = self.runtime.process, self.result_rows
+        for key, elements in grouped:
+            result_rows(key, process(key, None, elements, 0, now_ms, bounded=True, decoded=True, unique_sorted=True), rows)
+        rows.side_row("stats", None, {"_s_in": inputs, "_s_dup": duplicates, "_s_max_t": max_t, "_s_wm": 0,
+                                      "_s_rm": None})
+        return self.frame(rows, alone=True)
 
 
 class _Rows:
