@@ -289,6 +289,15 @@ class Bench:
         return r, home / "checkpoints" / job
 
 
+def pace() -> float:
+    """The machine's pace at this moment: seconds of a fresh Python process running 20M empty loop iterations. This
+    machine's speed drifts by spells (0.5-1.0 s in fast ones, 1.3-2.5 s in slow ones, on 2026-12-02), and the parts of
+    a run do not slow alike, so a ratio is compared with another one taken at a similar pace."""
+    started = time.perf_counter()
+    subprocess.run([PYTHON, "-S", "-c", "for _ in range(20_000_000): pass"], check=False)
+    return time.perf_counter() - started
+
+
 def median(xs: list[float]) -> float:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else float("nan")
@@ -711,17 +720,22 @@ def main() -> int:
     say(f"lakestream as users run it: {datetime.now().strftime('%Y-%m-%d %H:%M')}, commit {commit}, {os.cpu_count()} cores, "
         f"{args.runs} alternated runs per side")
     began = time.time()
+    paces = {"start": pace()}
+    say(f"the machine's pace: a 20M-iteration Python loop in {paces['start']:.2f} s (see ``pace``)")
     first_use(b)
     for name in chosen:
         SECTIONS[name](b)
-    say(f"\n== results ({(time.time() - began) / 60:.0f} min) ==")
+        paces[name] = pace()
+        say(f"  (the machine's pace after [{name}]: {paces[name]:.2f} s)")
+    say(f"\n== results ({(time.time() - began) / 60:.0f} min; the machine's pace "
+        f"{min(paces.values()):.2f}-{max(paces.values()):.2f} s) ==")
     for r in RESULTS:
         verdict = "" if r["met"] is None else ("MET" if r["met"] else "NOT MET")
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         say(f"  {r['measure']:45} plain {str(r['plain']):28} lakestream {str(r['lakestream']):30} {ratio:7} "
             f"{r['target']:16} {verdict}")
     stamp = datetime.now().strftime("%Y%m%dT%H%M")
-    (out / f"users-{stamp}.json").write_text(json.dumps(dict(commit=commit, results=RESULTS), indent=1, default=str))
+    (out / f"users-{stamp}.json").write_text(json.dumps(dict(commit=commit, pace_s=paces, results=RESULTS), indent=1, default=str))
     return 0
 
 
