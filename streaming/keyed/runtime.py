@@ -324,8 +324,7 @@ class KeyedRuntime:
         if unique_sorted and bounded and not seen:
             buffer = events  # (the call's own list: delivered and emptied below)
             inputs = len(buffer)
-            max_t = buffer[-1][0] if buffer else None
-            arrived = False  # (sorted already)
+            max_t = buffer[-1][0] if buffer else None  # (``arrived`` stays False: nothing to sort)
         elif bounded and not seen:
             # A bounded run hands a key all its elements at once and keeps no state after it, so its ids are a
             # plain set: nothing is late, nothing is forgotten before the end (see ``_finish``).

@@ -435,7 +435,7 @@ class _Adapter:
         n = len(ids)
         first = ~pd.DataFrame({"k": codes, "i": id_values}).duplicated().to_numpy()
         kept = np.flatnonzero(first)
-        order = kept[np.lexsort((t_ms[kept], codes[kept]))]  # (stable: a key's elements of one time in arrival order)
+        order = kept[np.lexsort((t_ms[kept], codes[kept]))]  # (by key, then time)
         sorted_codes, sorted_t = codes[order], t_ms[order]
         ties = np.flatnonzero((sorted_codes[1:] == sorted_codes[:-1]) & (sorted_t[1:] == sorted_t[:-1]))
         if len(ties):  # elements of one key and time: in id order, as the runtime sorts them
