@@ -64,10 +64,25 @@ def savepoint_job(jobs: list[Job]) -> dg.JobDefinition:
     return savepoint_before_deploy
 
 
+IN_FLIGHT = (dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED)  # (a run whose
+# process died is failed by the instance's run monitoring: `make ui`'s dagster.yaml turns it on)
+
+
 def savepoint_schedule(job: dg.JobDefinition, cron: str = "0 4 * * *") -> dg.ScheduleDefinition:
-    return dg.ScheduleDefinition(name="savepoint_before_deploy_schedule", job=job, cron_schedule=cron,
-                                 execution_timezone="UTC", default_status=dg.DefaultScheduleStatus.STOPPED,
-                                 description="Savepoints of every running stream at a fixed time (deploys follow it).")
+    @dg.schedule(name="savepoint_before_deploy_schedule", job=job, cron_schedule=cron, execution_timezone="UTC",
+                 default_status=dg.DefaultScheduleStatus.STOPPED,
+                 description="Savepoints of every running stream at a fixed time (deploys follow it); a tick while "
+                             "a savepoint run is still queued or running takes none.")
+    def savepoint_before_deploy_schedule(context: dg.ScheduleEvaluationContext):
+        # A tick while another savepoint run is under way (launched by hand, or a slow one past the next tick)
+        # would pause streams that one has paused and stop the stream it resumes: it is skipped, saying why.
+        running = context.instance.get_runs(dg.RunsFilter(job_name=job.name, statuses=list(IN_FLIGHT)), limit=1)
+        if running:
+            return dg.SkipReason(f"savepoint_before_deploy run {running[0].run_id} is still "
+                                 f"{running[0].status.value.lower()}: this tick takes no savepoint (the next one may)")
+        return dg.RunRequest()
+
+    return savepoint_before_deploy_schedule
 
 
 def daily_backfill(jobs: list[Job], bounded: list[dg.AssetsDefinition], partitions_def):

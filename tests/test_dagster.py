@@ -440,6 +440,31 @@ def test_daily_backfill_schedule_asks_for_yesterdays_partition(lake):
     assert defs.resolve_job_def("daily_backfill").partitions_def is not None
 
 
+def test_the_savepoint_schedule_skips_a_tick_while_a_savepoint_run_is_queued_or_running(lake):
+    defs = defs_for(lake)
+    schedule = defs.resolve_schedule_def("savepoint_before_deploy_schedule")
+    job = defs.resolve_job_def("savepoint_before_deploy")
+    when = datetime(2026, 11, 21, 4, 0, tzinfo=timezone.utc)
+    with dg.instance_for_test() as instance:
+        def tick():
+            context = dg.build_schedule_context(instance=instance, scheduled_execution_time=when,
+                                                repository_def=defs.get_repository_def())
+            return schedule.evaluate_tick(context)
+
+        assert len(tick().run_requests) == 1  # none under way: a savepoint run
+        for status in (dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED):  # (a queued run needs a code
+            # location of its own to be created: the status list in the schedule names it with these)
+            run = instance.create_run_for_job(job, status=status)
+            skipped = tick()
+            assert not skipped.run_requests and run.run_id in skipped.skip_message, skipped
+            assert status.value.lower() in skipped.skip_message
+            instance.report_run_failed(run)  # (it ends: the next tick takes its savepoint)
+            assert len(tick().run_requests) == 1
+        other = instance.create_run_for_job(defs.resolve_job_def("daily_backfill"), status=dg.DagsterRunStatus.STARTED)
+        assert len(tick().run_requests) == 1, "only a savepoint run holds the schedule back"
+        instance.report_run_failed(other)
+
+
 def test_health_sensor_and_volume_checks_judge_a_checkpoint_on_an_object_store_as_on_local_disk(streamed):
     """The same checkpoint, read where a cluster keeps it (memory:// stands in for s3a://): the
     checkpoint_health sensor and the late/quarantine volume checks reach the same verdicts."""
