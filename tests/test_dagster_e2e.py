@@ -232,6 +232,11 @@ class Servers:
         raise AssertionError(f"no running restart of {run_id} from savepoint {savepoint} (last {current}) after "
                              f"{timeout}s:\n{(self.root / 'daemon.log').read_text()[-2000:]}")
 
+    def savepoint_runs(self) -> list[dict]:
+        """Every run of savepoint_before_deploy so far (run id and tags)."""
+        return self.gql('{ runsOrError(filter: {pipelineName: "savepoint_before_deploy"}) { ... on Runs { '
+                        "results { runId tags { key value } } } } }")["runsOrError"]["results"]
+
     def schedule_ticks(self, selector: dict, timeout: float = 180) -> list[dict]:
         """The schedule's ticks (scheduled time, status, runs launched), once none is in progress."""
         deadline = time.monotonic() + timeout
@@ -464,8 +469,7 @@ def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partitio
     deadline, ticked = time.monotonic() + 150, []
     while time.monotonic() < deadline and not ticked:
         time.sleep(3)
-        ticked = servers.gql('{ runsOrError(filter: {pipelineName: "savepoint_before_deploy"}) { ... on Runs { '
-                             "results { runId tags { key value } } } } }")["runsOrError"]["results"]
+        ticked = servers.savepoint_runs()
     assert ticked, (servers.root / "daemon.log").read_text()[-3000:]
     # Stopped at once, and checked: a later tick would stop the stream again while the test terminates it (a reset
     # to the code's default did not stop the ticks of a schedule started from the UI: CI at 2e4b4db).
@@ -495,8 +499,7 @@ def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partitio
     # the stream followed below is the one resumed from the last savepoint.
     settled = stopped_at + 90
     while True:
-        listed = {r["runId"] for r in servers.gql('{ runsOrError(filter: {pipelineName: "savepoint_before_deploy"}) '
-                                                  "{ ... on Runs { results { runId } } } }")["runsOrError"]["results"]}
+        listed = {r["runId"] for r in servers.savepoint_runs()}
         late = sorted(listed - set(savepoint_runs))
         if late:
             ticks = servers.schedule_ticks(selector)
@@ -526,8 +529,7 @@ def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partitio
         time.sleep(2)
     assert "purchase_metrics batch" in servers.run_log(resumed, last=200), servers.run_log(resumed)
     run_id = resumed
-    savepoints = servers.gql('{ runsOrError(filter: {pipelineName: "savepoint_before_deploy"}) { ... on Runs { '
-                             "results { runId } } } }")["runsOrError"]["results"]
+    savepoints = servers.savepoint_runs()
     assert sorted(r["runId"] for r in savepoints) == sorted(savepoint_runs), "every savepoint run came from a tick before the stop"
 
     terminated = servers.gql("mutation($id: String!) { terminateRun(runId: $id, terminatePolicy: SAFE_TERMINATE) "
