@@ -471,7 +471,13 @@ def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partitio
         time.sleep(3)
         ticked = servers.savepoint_runs()
     assert ticked, (servers.root / "daemon.log").read_text()[-3000:]
-    # Stopped at once, and checked: a later tick would stop the stream again while the test terminates it (a reset
+    # Dagster 1.13's daemon ends the iteration that launched a new schedule's first run by writing the schedule's
+    # state as it read it, running (``_write_and_get_next_checkpoint_timestamp`` in ``dagster/_scheduler/scheduler.py``):
+    # a stop that lands before that write is undone, and the next tick launches a run (CI at 6880724: a tick a minute
+    # after the stop). The stop comes once that iteration is over, as an operator's would, and is checked again below.
+    servers.schedule_ticks(selector)
+    time.sleep(5)
+    # Stopped, and checked: a later tick would stop the stream again while the test terminates it (a reset
     # to the code's default did not stop the ticks of a schedule started from the UI: CI at 2e4b4db).
     state = servers.gql("query($s: ScheduleSelector!) { scheduleOrError(scheduleSelector: $s) { ... on Schedule { "
                         "scheduleState { id } } } }", selector)["scheduleOrError"]["scheduleState"]
@@ -513,6 +519,9 @@ def test_launch_stream_see_batches_terminate_gracefully_then_backfill_a_partitio
             break
         else:
             time.sleep(3)
+    still = servers.gql("query($s: ScheduleSelector!) { scheduleOrError(scheduleSelector: $s) { ... on Schedule { "
+                        "scheduleState { status } } } }", selector)["scheduleOrError"]["scheduleState"]["status"]
+    assert still == "STOPPED", (still, servers.schedule_ticks(selector))
     assert "purchase_metrics: savepoint " in servers.run_log(savepoint_runs[0], last=200)
     taken = [tags["lakestream/savepoint.purchase_metrics"] for tags in (
         {t["key"]: t["value"] for t in servers.gql("query($id: ID!) { runOrError(runId: $id) { ... on Run { tags { key value } } } }",
