@@ -53,6 +53,9 @@ def iceberg_jar() -> str:
 def session(home: str):
     from pyspark.sql import SparkSession
 
+    # (the Python workers of ``live-keyed`` run this interpreter, as in a user's activated virtualenv)
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
     builder = (SparkSession.builder.master(os.environ.get("PEER_MASTER", "local[*]")).appName("peer")
                .config("spark.jars", iceberg_jar())
                .config("spark.sql.extensions", "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions")
