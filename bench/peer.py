@@ -36,10 +36,9 @@ SCHEMA = ("event_id string, event_time timestamp, card_id string, user_id string
           "amount decimal(18,2), currency string, status string")
 TABLE = "lake.peer.purchase_metrics"
 ALERTS = "lake.peer.large_amount_alerts"
-ALERT_COLUMNS = ("card_id", "user_id", "event_id", "event_time", "amount", "previous_amount", "previous_time",
-                 "previous_event_id", "ratio")
 ALERT_SCHEMA = ("card_id string, user_id string, event_id string, event_time timestamp, amount decimal(18,2), "
                 "previous_amount decimal(18,2), previous_time timestamp, previous_event_id string, ratio double")
+ALERT_COLUMNS = [column.split()[0] for column in ALERT_SCHEMA.split(", ")]
 PREVIOUS_SCHEMA = "amount decimal(18,2), event_time timestamp, event_id string"
 
 
@@ -115,7 +114,7 @@ def alerts(key, frames, state):
             previous = (amount, t, event_id)
     if previous is not None:
         state.update(previous)
-    yield pd.DataFrame(out, columns=list(ALERT_COLUMNS))
+    yield pd.DataFrame(out, columns=ALERT_COLUMNS)
 
 
 def keyed_stream(spark, landing: str, home: str):
