@@ -612,7 +612,7 @@ def keyed(b: Bench) -> None:
 
 
 def flat(b: Bench, keys: int = 1_000_000, batch: int = 20_000, batches: int = 6) -> None:
-    """A keyed batch's cost on (nearly) empty state vs after ``keys`` remembered keys (distinct cards): the same
+    """A keyed batch's cost after 20,000 remembered keys vs after ``keys`` (distinct cards): the same
     ``batches`` files after a preload of ``keys`` payments, each over a card of its own, or over the 20,000 cards the
     batches pay with (so that both JVMs have run as much before the measured batches), one per trigger, whole
     process; commit-to-commit medians."""
@@ -658,7 +658,7 @@ def _flat(b: Bench, label: str, preloaded: int, preload, batch: int, batches: in
     """``preloaded`` payments (``preload(i)``: card and seconds after the start) in files of 100k, then ``batches``
     files of ``batch`` payments (``measured(file, i)``); run after the preload and against it: on empty state, or
     (``baseline``: the measured payments' cards instead) after the same preload, or (``baseline_preload``) after as
-    many payments over other cards (so that both sides' JVMs are as warm when the measured batches come), each
+    many payments over fewer cards (so that both sides' JVMs are as warm when the measured batches come), each
     ``--runs`` times, alternated. One file per trigger; the medians of the runs' commit-to-commit medians."""
     data = b.out / "data" / label
     landing = data / "landing" / "payments"
@@ -685,7 +685,7 @@ def _flat(b: Bench, label: str, preloaded: int, preload, batch: int, batches: in
     if not (data / "empty" / ".done").exists():
         shutil.rmtree(empty, ignore_errors=True)
         empty.mkdir(parents=True)
-        if baseline_preload is not None:  # (as many payments, over other cards)
+        if baseline_preload is not None:  # (as many payments, over fewer cards)
             per = 100_000
             for f in range(-(-preloaded // per)):
                 write_file(empty, f"a-{f:03d}.jsonl",
@@ -703,6 +703,7 @@ def _flat(b: Bench, label: str, preloaded: int, preload, batch: int, batches: in
     # Each side runs ``--runs`` times, the two alternated (the machine's speed drifts between runs); a side's figure
     # is the median of its runs' commit-to-commit medians.
     figures: dict[str, list[float]] = {"empty": [], "loaded": []}
+    base_name = "other cards" if baseline else "fewer keys" if baseline_preload else "empty"
     preload_files = -(-preloaded // 100_000)
     for i in range(b.runs):
         for name, folder, skip in (("empty", empty.parent, preload_files + 1 if baseline or baseline_preload else 1),
@@ -711,11 +712,10 @@ def _flat(b: Bench, label: str, preloaded: int, preload, batch: int, batches: in
                                  folder, "large_amount_alerts")
             intervals = commit_intervals(cp)[skip - 1:]
             figures[name].append(median(intervals))
-            say(f"  run {i + 1}: {'other cards' if (baseline or baseline_preload) and name == 'empty' else name}: batches "
+            say(f"  run {i + 1}: {base_name if name == 'empty' else name}: batches "
                 f"{', '.join(f'{s:.2f}' for s in intervals)} s apart (median {figures[name][-1]:.2f} s); {steps(o.out)}")
     figures = {name: median(values) for name, values in figures.items()}
     ratio = figures["loaded"] / figures["empty"]
-    base_name = "other cards" if baseline or baseline_preload else "empty"
     record("flat", measure, f"{base_name} {figures['empty']:.2f} s", f"loaded {figures['loaded']:.2f} s", ratio, "<= 1.25x",
            ratio <= 1.25)
 
