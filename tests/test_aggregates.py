@@ -141,6 +141,37 @@ def test_the_new_aggregates_as_a_stream_its_twin_and_reconciled_equal_plain_pyth
     assert not disagreements(read_table(spark), twin), disagreements(read_table(spark), twin)
 
 
+@pytest.mark.parametrize("by_driver", [True, False], ids=["pieces-written-by-the-driver", "pieces-written-by-spark"])
+def test_a_batch_pieces_written_by_the_driver_or_by_spark_make_the_same_windows_as_plain_python(spark, lake, monkeypatch,
+                                                                                             by_driver):
+    """A tumbling stream's pieces (every aggregate's partial state: sums, exact sets, the sketches' bytes) are written
+    from the driver when a batch has at most ``COLLECTED_ROWS`` of them, else by a Spark job (the limit set to 0:
+    every batch overflows and falls back). Read back by later batches, both must fire the windows plain Python
+    computes, and each batch's files must come from the path asked for."""
+    import streaming.checkpoint.store as store_module
+    from streaming.checkpoint.layout import Layout
+
+    if not by_driver:
+        monkeypatch.setattr(store_module, "COLLECTED_ROWS", 0)
+    drop_job_tables(spark, namespaces=("test",))
+    job = job_for(Tumbling(size=timedelta(minutes=1)), timedelta(seconds=30))
+    batches = scenario(11)
+    write_batches(lake.landing_dir("payments"), batches)
+    settings = lake.with_job(job.name, max_files_per_trigger=1)
+    run_stream(spark, settings, job, available_now=True, progress=None, install_signal_handlers=False)
+
+    truth = replay_windows([with_t(b) for b in batches], win_of(job.window), delay=DELAY,
+                           lateness=job.watermark.allowed_lateness_ms, key=lambda e: e["user_id"], measure=measure)
+    assert not disagreements(read_table(spark), truth.table), disagreements(read_table(spark), truth.table)
+    store = Layout(lake.checkpoint_dir(job.name)).store.removeprefix("file:")
+    import glob
+
+    parts = glob.glob(f"{store}/[0-9]*/pieces/*.parquet")
+    assert parts, "the batches kept pieces"
+    by_spark = [p for p in parts if p.endswith("-c000.zstd.parquet")]  # (Spark's names; the driver's have none)
+    assert len(by_spark) == (0 if by_driver else len(parts)), parts
+
+
 def test_the_sketches_keep_their_stated_errors_over_many_values_however_the_pieces_split(spark):
     """50,000 distinct cards and amounts over one window, cut into pieces at random and merged again:
     approx_count_distinct within 5 % (three standard errors of 1.6 %), every percentile within 1 %."""

@@ -18,6 +18,7 @@ from ..io.sinks import OP
 from ..spark.columns import once
 from ..windowed.batch import INTERPRETED_BATCH_LINES, SMALL_BATCH_LINES, plan_batch
 from ..windowed.compaction import Compaction, compact, compaction_due, maintain
+from ..windows.fixed import FixedWindows
 from . import side
 from ..checkpoint.records import BatchStats
 from .commit import INTERPRETED, ONE_PARTITION, BatchResult, Handler, Output, count_span, override, restore
@@ -199,7 +200,10 @@ class WindowedHandler(Handler):
                     lated = pool.submit(side.write_pending, spark, self.layout, batch_id, late_name, frame,
                                         expected <= SMALL_SIDE_ROWS)
             fired = batch.fire(w_out)
-            stored = pool.submit(store.write, batch_id, fired.store)
+            # (a tumbling or sliding window's pieces are one row per key and window: few enough to collect, mostly;
+            # a session's merge earlier sessions in and are left to Spark)
+            stored = pool.submit(store.write, batch_id, fired.store,
+                                 collect=("pieces",) if isinstance(job.window, FixedWindows) else ())
             pool.shutdown(wait=False)
             t = timed("plan", t)
             outputs = []
