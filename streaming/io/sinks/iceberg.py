@@ -21,7 +21,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from ...declaration import Table
-from ...spark.jvm import expire_iceberg_snapshots, with_iceberg_commit_properties
+from ...spark.jvm import expire_iceberg_snapshots, iceberg_current_snapshot, with_iceberg_commit_properties
 from .base import COMMIT_KEY, OP, Commit, later_batch, with_retries
 
 DAY_MS = 86_400_000
@@ -187,8 +187,7 @@ class IcebergSink:
         """The current snapshot id (None: no table, or no snapshot yet)."""
         if not self.exists():
             return None
-        rows = self.spark.sql(f"SELECT snapshot_id FROM {self.table.name}.refs WHERE name = 'main'").collect()
-        return int(rows[0].snapshot_id) if rows else None
+        return iceberg_current_snapshot(self.spark, self.table.name)
 
     def version_before(self, app_id: str, batch_id: int, flush_kept: bool = False) -> int | None:
         """The snapshot that holds this table as the stream ``app_id`` left it after batch ``batch_id``: the parent
