@@ -229,12 +229,16 @@ def test_reconciliation_explains_late_and_in_flight_differences_and_finds_delete
     assert [r.unexplained for r in recorded][:2] == [0, damaged.unexplained]
 
 
-def test_the_bounded_dedup_numbers_each_ids_deliveries_without_sorting_every_event_before_its_shuffle(spark, small_landing):
-    """Spark 3.5 turns the dedup's ``row_number() = 1`` into a top-1 per map partition: a sort of every event
+def test_the_bounded_dedup_numbers_each_ids_deliveries_without_sorting_every_event_before_its_shuffle(
+        spark, small_landing, monkeypatch):
+    """A bounded run whose ids do not come to the driver (more input than ``DRIVER_LOOKUP_BYTES``) numbers each id's
+    deliveries. Spark 3.5 turns the dedup's ``row_number() = 1`` into a top-1 per map partition: a sort of every event
     before the shuffle, which rare repeats leave with nothing to drop (~0.9 s of a 1M-event backfill). The
     session turns that off; the plan still keeps each id's first delivery by its window."""
+    import streaming.windowed.batch as windowed_batch
     from batch.bounded import compute
 
+    monkeypatch.setattr(windowed_batch, "DRIVER_LOOKUP_BYTES", 0)
     job = get_job(JOB, small_landing)
     result = compute(spark, small_landing, job, epoch_ms(DAY1), epoch_ms(DAY2))
     try:
@@ -243,6 +247,34 @@ def test_the_bounded_dedup_numbers_each_ids_deliveries_without_sorting_every_eve
         result.release()
     assert "row_number()" in plan
     assert "WindowGroupLimit" not in plan
+
+
+@pytest.mark.parametrize("driver", [True, False], ids=["ids-on-the-driver", "numbered-by-a-shuffle"])
+def test_the_bounded_dedup_keeps_each_ids_first_delivery_whether_its_ids_come_to_the_driver_or_not(
+        spark, small_landing, monkeypatch, driver):
+    """A bounded run of no more than ``DRIVER_LOOKUP_BYTES`` of input brings its ids to the driver with its count job,
+    which finds the later deliveries of each id: the events are the cached lines without them, with no shuffle or
+    numbering of the events by id (the plan has no window function); a larger one numbers each id's deliveries. The
+    windows and the duplicates counted equal the plain-Python oracle's over the landing files (each id's first delivery
+    in arrival order) either way."""
+    import streaming.windowed.batch as windowed_batch
+    from batch.bounded import compute
+
+    if not driver:
+        monkeypatch.setattr(windowed_batch, "DRIVER_LOOKUP_BYTES", 0)
+    job = get_job(JOB, small_landing)
+    result = compute(spark, small_landing, job, epoch_ms(DAY1), epoch_ms(DAY2))
+    try:
+        plan = result.main._jdf.queryExecution().optimizedPlan().toString()  # noqa: SLF001 - the plan Spark runs
+        got = windows_of(result.main)
+        stats = result.final_stats()
+    finally:
+        result.release()
+    assert ("row_number()" in plan) != driver
+    landing = Path(small_landing.landing_dir("payments"))
+    assert got == bounded_oracle(landing, DAY1, DAY2)
+    valid = [e for f in oracle.files_in_arrival_order(landing) for e in map(oracle.validate, oracle.read_lines(f)) if e]
+    assert stats.events + stats.duplicates == len(valid) and stats.duplicates == len(valid) - len({str(e["event_id"]) for e in valid}) > 0
 
 
 def test_an_iceberg_merge_overtaken_by_another_writers_commit_is_retried_as_a_conflict():

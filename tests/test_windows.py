@@ -412,8 +412,9 @@ def test_ids_delivered_again_within_a_batch_count_once_and_the_first_line_wins(s
     both = streaming.windowed.batch.WindowedBatch._repeats_and_remembered  # (with remembered ids: on the driver)
     monkeypatch.setattr(streaming.windowed.batch.WindowedBatch, "_repeats_and_remembered",
                         lambda self, lines: paths.append("stats") or both(self, lines))
-    ordinary = streaming.windowed.batch.first_deliveries
-    monkeypatch.setattr(streaming.windowed.batch, "first_deliveries", lambda *a: paths.append("driver") or ordinary(*a))
+    ordinary = streaming.windowed.batch.WindowedBatch._stats_and_ids  # (a batch of ordinary size: on the driver)
+    monkeypatch.setattr(streaming.windowed.batch.WindowedBatch, "_stats_and_ids",
+                        lambda self: paths.append("driver") or ordinary(self))
     job = job_for(Tumbling(timedelta(minutes=5)), timedelta(0))
     batches = [
         # e1 three times, the same line; e2 twice, differing in amount; e3 once; e4 again in the next batch

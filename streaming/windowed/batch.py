@@ -67,11 +67,11 @@ MAX_REPEATS = 10_000
 # under the latency feed (5k payments/s, alternated whole runs) batches 0.65-0.73 s apart against 0.76-0.85 s when the
 # lookup was a Python task of the statistics job.
 DRIVER_LOOKUP_LINES = 100_000
-# A batch expected to be large brings every id of it to the driver (40 bytes each), which then writes the ids the batch
-# remembers, when Spark estimates its input at no more than this (~120k payment lines; see ``LARGE_BATCH_BYTES``): a
-# backlog arriving after ordinary batches does not. (Raised to 400 MB, a stream's one batch of 1M payments came to the
-# driver too: the Arrow collect cost more than the Spark job writing the ids, 1.07x the whole process's wall time.)
-DRIVER_LOOKUP_BYTES = 40_000_000
+# A batch expected to be large brings every valid line's id to the driver (40 bytes each), which finds its repeats and
+# writes the ids the batch remembers, when Spark estimates its input at no more than this (~2.7M payment lines of ~190
+# bytes, ~110 MB on the driver; see ``LARGE_BATCH_BYTES``); a bounded run's count job brings them too (32 bytes each).
+# A larger batch finds its repeats by a hash aggregate (a stream) or a shuffle (a bounded run) on the executors.
+DRIVER_LOOKUP_BYTES = 512_000_000
 KEPT = "_kept"  # in the ids file a large batch's statistics job writes: the line kept of an id delivered more than once
 TAG = "_line"  # a line's number within its batch (see ``WindowedBatch._tagged``)
 # A delivery's place in the arrival order, then in the batch, as one number an aggregate can take the least of
@@ -91,19 +91,46 @@ def line_of_order(order: Column) -> Column:
     return (order % F.lit(Decimal(_LINE_SPAN)).cast(_ORDER)).cast("long")
 
 
+def _repeat_groups(h1: np.ndarray, h2: np.ndarray, arrival: np.ndarray, line: np.ndarray):
+    """The lines that may be repeats, in order of id, then arrival, then line: (their hashes, their line numbers,
+    whether each starts its id's lines); None when no id is delivered more than once."""
+    if not len(h1):
+        return None
+    # (only the lines whose first hash is repeated can be repeats: found by one sort of that hash, ~20x faster than
+    # ordering every line by all four keys)
+    by_h1 = np.argsort(h1)
+    same = h1[by_h1][1:] == h1[by_h1][:-1]
+    if not same.any():
+        return None
+    maybe = np.zeros(len(h1), dtype=bool)
+    maybe[1:] |= same
+    maybe[:-1] |= same
+    maybe = by_h1[maybe]
+    h1, h2, arrival, line = h1[maybe], h2[maybe], arrival[maybe], line[maybe]
+    order = np.lexsort((line, arrival, h2, h1))
+    s1, s2 = h1[order], h2[order]
+    return s1, s2, line[order], np.concatenate(([True], (s1[1:] != s1[:-1]) | (s2[1:] != s2[:-1])))
+
+
 def first_deliveries(h1: np.ndarray, h2: np.ndarray, arrival: np.ndarray, line: np.ndarray
                      ) -> tuple[list[int], list[int], list[int]] | None:
     """Of a batch's valid lines (their id hashes, arrival and line number), the ids delivered more than once: their
     hashes and the line kept of each, the first to arrive (then the first in the batch); None when more than
     ``MAX_REPEATS`` (see ``WindowedBatch.repeats``)."""
-    if not len(h1):
+    groups = _repeat_groups(h1, h2, arrival, line)
+    if groups is None:
         return [], [], []
-    order = np.lexsort((line, arrival, h2, h1))
-    s1, s2 = h1[order], h2[order]
-    starts = np.flatnonzero(np.concatenate(([True], (s1[1:] != s1[:-1]) | (s2[1:] != s2[:-1]))))
-    again = np.diff(np.append(starts, len(order))) > 1
-    first = starts[again]
-    return _repeated(s1[first], s2[first], line[order][first])
+    s1, s2, lines, starts = groups
+    first = np.flatnonzero(starts)
+    first = first[np.diff(np.append(first, len(starts))) > 1]
+    return _repeated(s1[first], s2[first], lines[first])
+
+
+def later_deliveries(h1: np.ndarray, h2: np.ndarray, arrival: np.ndarray, line: np.ndarray) -> np.ndarray:
+    """Of a batch's valid lines (as :func:`first_deliveries` takes them), the line numbers of every delivery of an id
+    but its first: the lines a dedup drops."""
+    groups = _repeat_groups(h1, h2, arrival, line)
+    return np.empty(0, np.int64) if groups is None else groups[2][~groups[3]]
 
 
 def _repeated(h1: np.ndarray, h2: np.ndarray, kept: np.ndarray) -> tuple[list[int], list[int], list[int]] | None:
@@ -171,7 +198,8 @@ class WindowedBatch:
     # delivered more than once (see :meth:`repeats`), one job and one pass over the cached lines less.
     expect_large: bool = False
     # A stream's batch expected to be large whose input Spark estimates at no more than ``DRIVER_LOOKUP_BYTES``: its
-    # statistics job brings every id to the driver (see :meth:`_repeats_and_remembered`).
+    # statistics job brings every id to the driver (see :meth:`_repeats_and_remembered`). A bounded run of no more than
+    # ``DRIVER_LOOKUP_BYTES``: its count job does (see :meth:`_bounded_repeats`).
     ids_to_driver: bool = False
     _stats: BatchStats | None = None
     _min_t: int | None = None
@@ -180,8 +208,7 @@ class WindowedBatch:
     _repeats: tuple[list[int], list[int], list[int]] | None | object = _UNKNOWN
     _remembered_found: tuple[list[int], list[int]] | None = None  # remembered ids found by the statistics job (``_h1``, ``_h2``)
     _batch_ids: np.ndarray | None = None  # the valid lines' hashes, arrival, line and event time (``_stats_and_ids``)
-    # A large batch's ids, one per id: hashes and its first delivery's event time (``_repeats_and_remembered``)
-    _first_ids: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    _dropped_lines: list[int] | None = None  # a bounded run's later deliveries of an id, found by its count job (``count``)
     # The ids the batch remembers, as the store file its statistics job wrote (``_repeats_and_ids``; None: no valid line)
     _written_ids: StoreFile | None | object = _UNKNOWN
     _observation: Observation | None = None
@@ -250,10 +277,16 @@ class WindowedBatch:
     def count(self) -> None:
         """Bounded: count the lines in a job of their own, started now on another thread (:meth:`stats` waits for
         it), which also fills their cache; call it before :meth:`fire`. The driver builds the firing's plans
-        meanwhile, and the lines' other readers (the quarantine) need not wait for the firing's pass."""
+        meanwhile, and the lines' other readers (the quarantine) need not wait for the firing's pass. With
+        ``ids_to_driver`` the same job brings every valid line's id hashes and arrival, and the driver finds the ids
+        delivered more than once (see :meth:`_bounded_repeats`)."""
         assert self.bounded and self._lines_seen is None, "count() is for a bounded run, before its firing is built"
         spark = self.parsed.sparkSession
-        counts = self._cached_lines().agg(*self._stat_columns())
+        if self.ids_to_driver:
+            seen = Observation(f"count-{self.job.name}-{next(_OBSERVATIONS)}")
+            counts = self._line_ids(observe(self._cached_lines(), seen, packed(self._stat_columns())), with_time=False)
+        else:
+            counts = self._cached_lines().agg(*self._stat_columns())
         adaptive = spark.conf.get("spark.sql.adaptive.enabled", None)
         # Planned here, without adaptive execution (which would fill the cache in a job of its own and read it
         # again for the counts); the plan is kept by the frame, so the thread runs it as planned.
@@ -266,8 +299,23 @@ class WindowedBatch:
             else:
                 spark.conf.set("spark.sql.adaptive.enabled", adaptive)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"count-{self.job.name}")
-        self._counting = pool.submit(lambda: counts.collect()[0])
+        if self.ids_to_driver:
+            self._counting = pool.submit(self._bounded_repeats, counts, seen)
+        else:
+            self._counting = pool.submit(lambda: counts.collect()[0])
         pool.shutdown(wait=False)
+
+    def _bounded_repeats(self, ids: DataFrame, seen: Observation):
+        """The count job of a bounded run whose ids come to the driver: it brings every valid line's id hashes,
+        arrival and line number (32 bytes a line, as Arrow), from which the driver finds the later deliveries of
+        each id (:func:`later_deliveries`); the events are then the cached lines without those, filtered where they
+        are, with no shuffle and sort of every event by its id (more than ``MAX_REPEATS`` of them: the shuffle).
+        Returns the statistics."""
+        lines = self._collect_line_ids(ids, 4)
+        row = observed(seen)
+        dropped = later_deliveries(*lines.T)
+        self._dropped_lines = dropped.tolist() if len(dropped) <= MAX_REPEATS else None
+        return row
 
     def stats(self) -> BatchStats:
         """The batch's statistics. Bounded: call it after :meth:`count`, or after an action over :meth:`fire`'s
@@ -337,8 +385,14 @@ class WindowedBatch:
                 self.stats()
             job = self.job
             key = job.source.dedup_key
-            known = self._repeats is not _UNKNOWN
-            repeats = self.repeats() if not self.bounded and (known or self.stats().events > INTERPRETED_BATCH_LINES) else None
+            if self.bounded and self.ids_to_driver:
+                self.stats()  # (the count job found the lines to drop)
+                dropped = self._dropped_lines
+                repeats = None if dropped is None else ([], [], [])
+            else:
+                dropped = None
+                known = self._repeats is not _UNKNOWN
+                repeats = self.repeats() if not self.bounded and (known or self.stats().events > INTERPRETED_BATCH_LINES) else None
             added = once("event columns", lambda: [
                 F.col("*"), F.unix_millis(job.source.event_time).alias("event_time_ms"), *id_hashes(F.col(key))], job)
             events = select(self._tagged(), added)
@@ -346,6 +400,8 @@ class WindowedBatch:
                 first = once("first delivery", lambda: F.row_number().over(
                     Window.partitionBy(key).orderBy(F.col(ARRIVAL), F.col(TAG))).alias("_nth"), job)
                 events = events.select("*", first).where(F.col("_nth") == 1).drop("_nth")
+            elif dropped:
+                events = events.where(~in_set(TAG, dropped))
             elif repeats[0]:
                 h1, h2, kept = (in_set(c, v) for c, v in zip(("_h1", "_h2", TAG), repeats))
                 events = events.where(~(h1 & h2) | kept)
@@ -387,24 +443,36 @@ class WindowedBatch:
 
     def _repeats_and_remembered(self, lines: DataFrame) -> None:
         """A stream's batch expected to be large, of no more than ``DRIVER_LOOKUP_BYTES`` of input: the statistics job
-        brings every id of the batch (its hashes, its deliveries, the line kept and that line's event time: 40 bytes
-        each, as Arrow), and the driver finds both the repeated ids and the remembered ones (as
-        :meth:`_stats_and_ids` does), and writes the ids the batch remembers (:meth:`new_ids`): no lookup job, no
-        cache of the events, no Spark job for the ids. Paced 50k-line batches with late events, alternated whole
-        processes: 0.94 of the wall time of a lookup job of their own."""
-        got = collect_arrow(self._repeats_frame(lines, every=True))
-        table = pa.Table.from_batches(got) if got else None
-        if table is None or not table.num_rows:
-            self._repeats, self._remembered_found = ([], [], []), ([], [])
-            self._first_ids = (np.empty(0, np.int64),) * 3
-            return
-        h1, h2, n, kept, t = (table.column(c).to_numpy().astype(np.int64, copy=False)
-                              for c in ("_h1", "_h2", "_n", "_kept", "_t"))
-        again = n > 1
-        self._repeats = _repeated(h1[again], h2[again], kept[again])
+        brings every valid line's id hashes, arrival, line number and event time (40 bytes a line, as Arrow, with no
+        aggregate and no shuffle), and the driver finds both the repeated ids and the remembered ones, as
+        :meth:`_stats_and_ids` does for a batch of ordinary size, and writes the ids the batch remembers
+        (:meth:`new_ids`): no lookup job, no cache of the events, no Spark job for the ids. The default stream's one
+        batch of 1M payments: its statistics ~2 s shorter than with the ids aggregated by hash in the same job."""
+        ids = self._collect_line_ids(self._line_ids(lines, with_time=True), 5)
+        h1, h2 = ids[:, 0], ids[:, 1]
+        self._repeats = first_deliveries(h1, h2, ids[:, 2], ids[:, 3])
         if self.store is not None and self.store.id_files():
             self._remembered_by_driver(h1, h2)
-        self._first_ids = (h1, h2, t)
+        self._batch_ids = ids
+
+    def _line_ids(self, lines: DataFrame, with_time: bool) -> DataFrame:
+        """The valid lines among ``lines`` (the cached lines, or a frame passing them through in order) as their
+        id hashes, arrival and line number (``TAG``), and with ``with_time`` their event time (``_NO_TIME`` for none)."""
+        job = self.job
+        key, event_time = job.source.dedup_key, job.source.event_time
+        columns = once(("line ids", with_time), lambda: [
+            *id_hashes(F.col(key)), F.col(ARRIVAL), F.col(TAG),
+            *([F.coalesce(F.unix_millis(F.col(event_time)), F.lit(_NO_TIME)).alias("_t")] if with_time else [])], job)
+        return select(self._tagged(lines), columns)
+
+    @staticmethod
+    def _collect_line_ids(frame: DataFrame, width: int) -> np.ndarray:
+        """:meth:`_line_ids`' rows on the driver, as one array of longs (a row per line)."""
+        got = collect_arrow(frame)
+        if not got:
+            return np.empty((0, width), np.int64)
+        table = pa.Table.from_batches(got)
+        return np.column_stack([table.column(i).to_numpy().astype(np.int64, copy=False) for i in range(width)])
 
     def _writes_ids(self) -> bool:
         """Whether the statistics job of a large batch writes the ids it remembers (:meth:`_repeats_and_ids`): a
@@ -533,26 +601,22 @@ class WindowedBatch:
         return self.events().select(bucket, *hashes, expires.alias("_expires_ms"))
 
     def _ids_on_driver(self) -> pa.Table | None:
-        """:meth:`new_ids` from the ids the statistics job brought (:meth:`_stats_and_ids`, or one per id with its
-        first delivery's event time: :meth:`_repeats_and_remembered`), kept by the same tests as :meth:`events`
+        """:meth:`new_ids` from the ids the statistics job brought (:meth:`_stats_and_ids`,
+        :meth:`_repeats_and_remembered`), kept by the same tests as :meth:`events`
         applies to the lines: the first delivery of each repeated id (``repeats``), none that the store remembers
         (``_remembered_found``). None when the batch did not bring them or filters otherwise (too many repeats or
         remembered ids: a shuffle or the executors' lookup), or when a line has no event time."""
         lines, repeats = self._batch_ids, self._repeats
-        if (lines is None and self._first_ids is None) or self.bounded or self.event_range_ms is not None \
-                or repeats is None or repeats is _UNKNOWN:
+        if lines is None or self.bounded or self.event_range_ms is not None or repeats is None or repeats is _UNKNOWN:
             return None
         remembered = self._remembered_found
         if remembered is None and self.store is not None and self.store.id_files():
             return None
-        if lines is not None:
-            h1, h2, tag, t = lines[:, 0], lines[:, 1], lines[:, 3], lines[:, 4]
-        else:
-            (h1, h2, t), tag = self._first_ids, None
+        h1, h2, tag, t = lines[:, 0], lines[:, 1], lines[:, 3], lines[:, 4]
         if (t == _NO_TIME).any():
             return None
         keep = np.ones(len(t), dtype=bool)
-        if repeats[0] and tag is not None:  # (the frame's test: ``~(h1 in R1 & h2 in R2) | line in kept``)
+        if repeats[0]:  # (the frame's test: ``~(h1 in R1 & h2 in R2) | line in kept``)
             keep &= ~(np.isin(h1, repeats[0]) & np.isin(h2, repeats[1])) | np.isin(tag, repeats[2])
         if remembered is not None and remembered[0]:
             keep &= ~(np.isin(h1, remembered[0]) & np.isin(h2, remembered[1]))
@@ -716,7 +780,10 @@ def plan_batch(
     if bounded:  # the lines are cached: keep only the fields the transform reads (a stream's late rows need all)
         parsed = select(parsed, once("bounded columns", lambda: [F.col(c) for c in _bounded_columns(job, parsed)], job))
     large = to_driver = False
-    if not bounded:
+    if bounded:
+        size = estimated_bytes(raw)
+        to_driver = size is not None and size <= DRIVER_LOOKUP_BYTES
+    else:
         size = estimated_bytes(raw)
         if lines_before is not None and lines_before > INTERPRETED_BATCH_LINES:
             large = True
@@ -731,3 +798,4 @@ def plan_batch(
 # finds its repeated ids (one job less). A payment line is ~190 bytes, estimated at ~330 with the columns the
 # source adds: ~25k lines and more.
 LARGE_BATCH_BYTES = 8_000_000
+
