@@ -288,13 +288,26 @@ def many_batches(n: int = 30) -> list[list[dict]]:
     return batches + [[p("z", 90 * MIN, "u9")]]
 
 
-@pytest.mark.parametrize("window", [Tumbling(timedelta(minutes=2)), Session(timedelta(minutes=3))],
-                         ids=["tumbling", "session"])
+@pytest.mark.parametrize("window, by_driver", [(Tumbling(timedelta(minutes=2)), True),
+                                               (Tumbling(timedelta(minutes=15)), True),
+                                               (Tumbling(timedelta(minutes=15)), False),
+                                               (Session(timedelta(minutes=3)), True)],
+                         ids=["tumbling", "tumbling-long", "tumbling-long-merged-by-spark", "session"])
 def test_a_stream_of_more_batches_than_the_store_keeps_files_compacts_alongside_and_loses_nothing(spark, lake_home,
-                                                                                                window):
+                                                                                                window, by_driver,
+                                                                                                monkeypatch):
+    """The store's small files are merged while batches run: by the driver (pyarrow, few rows: ids, and a tumbling
+    job's pieces), or by Spark (more rows than ``DRIVER_MERGE_ROWS``, or a session job's pieces); either way the
+    windows, the late rows and the re-deliveries found among the merged ids match the oracle."""
+    import streaming.windowed.compaction as compaction
     from streaming.checkpoint.layout import Layout
     from streaming.checkpoint.store import COMPACT_EVERY
 
+    if not by_driver:
+        monkeypatch.setattr(compaction, "DRIVER_MERGE_ROWS", 0)
+    merged_by = []
+    read = compaction.Store.read_table
+    monkeypatch.setattr(compaction.Store, "read_table", lambda self, kind, files: merged_by.append(kind) or read(self, kind, files))
     batches = many_batches()
     assert len(batches) > COMPACT_EVERY + 4
     job = job_for(window, timedelta(minutes=1))
@@ -306,6 +319,64 @@ def test_a_stream_of_more_batches_than_the_store_keeps_files_compacts_alongside_
     assert report.stats.duplicates == 4, "re-deliveries found among the compacted ids"
     store = Path(Layout(lake_home.checkpoint_dir(job.name)).store)
     assert any(d.name.startswith("c") for d in store.iterdir()), "the store was compacted"
+    # (2-minute windows close before their pieces reach ``COMPACT_EVERY`` files, 15-minute ones do not; a session's
+    # pieces are merged by Spark)
+    pieces = {"pieces"} if getattr(window, "size_ms", 0) > 10 * MIN else set()
+    assert set(merged_by) == ({"ids", *pieces} if by_driver else set())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_drivers_merge_of_pieces_matches_plain_python_as_sparks_does(spark, seed):
+    """A tumbling or sliding job's pieces merged by the driver (``compaction._open_pieces``: pyarrow), and by Spark
+    (``Aggregates.merge``, as a merge of many files does), against plain Python: random keys (NULL ones among them),
+    windows, counts, decimal sums, least and greatest values with NULLs (left out; NULL when all are), and the windows
+    closed at the watermark (beyond lateness) dropped."""
+    import random
+
+    import pyarrow as pa
+    from pyspark.sql import types as T
+
+    from streaming.io.schemas import types_of
+    from streaming.windowed.aggregates import Aggregates
+    from streaming.windowed.compaction import _merged_by_driver, _open_pieces
+
+    rng = random.Random(seed)
+    job = WindowedJob(
+        name="merge_test", sources=(PAYMENTS,), keys=("user_id",), window=Tumbling(timedelta(minutes=1)),
+        watermark=Watermark(timedelta(seconds=5), allowed_lateness=timedelta(seconds=rng.choice([0, 30]))),
+        transform=amounts, sink=Table(SINK),
+        aggregates=(Agg.count("events"), Agg.sum("amount", "amount"), Agg.min("amount", "least"),
+                    Agg.max("amount", "most")))
+    assert _merged_by_driver(job)
+    types = types_of(job, T.StructType([T.StructField("amount", T.DecimalType(18, 2))]))
+    assert (types["events"], types["amount"], types["least"]) == (T.LongType(), T.DecimalType(38, 2), T.DecimalType(18, 2))
+    rows = []
+    for _ in range(rng.randint(1, 300)):
+        ws = rng.randrange(10) * MIN
+        amount = lambda: None if rng.random() < 0.3 else Decimal(rng.randint(0, 10**6)) / 100  # noqa: E731
+        rows.append((rng.choice(["a", "b", "c", None]), ws, ws + MIN, rng.randint(0, 5), amount(), amount(), amount()))
+    watermark, lateness = rng.randrange(12) * MIN, job.watermark.allowed_lateness_ms
+
+    want: dict[tuple, list] = {}
+    for key, ws, we, n, total, least, most in rows:
+        if we + lateness <= watermark:
+            continue
+        w = want.setdefault((key, ws), [key, ws, we, 0, None, None, None])
+        w[3] += n
+        w[4] = total if w[4] is None else w[4] if total is None else w[4] + total
+        w[5] = least if w[5] is None else w[5] if least is None else min(w[5], least)
+        w[6] = most if w[6] is None else w[6] if most is None else max(w[6], most)
+    want = {k: tuple(v) for k, v in want.items()}
+
+    arrow = pa.schema([("user_id", pa.string()), ("ws", pa.int64()), ("we", pa.int64()), ("events", pa.int64()),
+                       ("amount", pa.decimal128(38, 2)), ("least", pa.decimal128(18, 2)), ("most", pa.decimal128(18, 2))])
+    got = _open_pieces(job, pa.Table.from_pylist([dict(zip(arrow.names, r)) for r in rows], schema=arrow), watermark)
+    assert got.schema == arrow
+    assert {(r["user_id"], r["ws"]): tuple(r.values()) for r in got.to_pylist()} == want
+    pieces = spark.createDataFrame(rows, "user_id string, ws long, we long, events long, amount decimal(38,2), "
+                                         "least decimal(18,2), most decimal(18,2)")
+    by_spark = Aggregates(job, types).merge(pieces).collect()
+    assert {(r.user_id, r.ws): tuple(r) for r in by_spark if r.we + lateness > watermark} == want
 
 
 def test_ids_remembered_in_minute_buckets_by_an_earlier_version_still_catch_re_deliveries(spark, lake_home, monkeypatch):
