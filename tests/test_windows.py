@@ -449,19 +449,25 @@ def test_a_backfill_whose_transform_reads_fields_it_drops_keeps_them_for_it(spar
     assert transform_inputs(job, parsed.schema) == {"user_id", "event_time", "event_id", "amount", "currency", "card_id"}
 
 
-@pytest.mark.parametrize("small, max_repeats, by_size, written", [
-    (0, 10_000, False, False), (0, 10_000, True, False), (0, 10_000, True, True), (0, 1, True, True),
-    (0, 1, False, False), (None, 10_000, False, False)],
+@pytest.mark.parametrize("small, max_repeats, by_size, written, paths", [
+    (0, 10_000, False, False, ["stats"] * 3), (0, 10_000, True, False, ["stats"] * 3),
+    (0, 10_000, True, True, ["written", "stats", "stats"]), (0, 1, True, True, ["written", "stats", "stats"]),
+    (0, 1, False, False, ["stats"] * 3), (None, 10_000, False, False, ["stats"] * 3),
+    (None, 10_000, False, True, ["driver"] * 3)],
     ids=["filtered", "filtered-first-by-size", "filtered-first-written-by-its-statistics",
-         "too-many-repeats-first-written-by-its-statistics", "too-many-repeats", "small-batch"])
+         "too-many-repeats-first-written-by-its-statistics", "too-many-repeats", "small-batch",
+         "small-batch-ids-aggregated"])
 def test_ids_delivered_again_within_a_batch_count_once_and_the_first_line_wins(spark, lake_home, monkeypatch,
-                                                                                small, max_repeats, by_size, written):
+                                                                                small, max_repeats, by_size, written,
+                                                                                paths):
     """A stream's batch drops repeats within it by their hashes, without a shuffle, keeping the first line
     of an id; with more repeated ids than it filters (``MAX_REPEATS``) it numbers each id's deliveries instead.
-    A batch of ordinary size finds its repeats on the driver, from the ids its statistics job brings; a batch
-    expected to be large (after a large one, or by the size of its input files) in its statistics job too. A large
-    first batch whose ids do not come to the driver (``written``) writes them in its statistics job and reads its
-    repeats back from that file."""
+    A batch whose input is at most ``DRIVER_LOOKUP_BYTES`` finds its repeats on the driver, from the ids its
+    statistics job brings as Arrow (``stats``); one whose ids do not come to the driver (``written``): a large first
+    batch writes them in its statistics job and reads its repeats back from that file, a later one expected to be
+    large (after a large one, or by the size of its input files) finds them in its statistics job, and one of
+    ordinary size has them aggregated into one row (``driver``)."""
+    want_paths = paths
     import streaming.windowed.batch
 
     monkeypatch.setattr(streaming.windowed.batch, "MAX_REPEATS", max_repeats)
@@ -476,7 +482,7 @@ def test_ids_delivered_again_within_a_batch_count_once_and_the_first_line_wins(s
         monkeypatch.setattr(streaming.windowed.batch, "LARGE_BATCH_BYTES", 0)
     if small is not None:  # (these batches are small: make the batches after the first count as large)
         monkeypatch.setattr(streaming.windowed.batch, "INTERPRETED_BATCH_LINES", small)
-    paths = []  # where each batch found its repeats
+    paths = []  # where each batch found its repeats (``want_paths``: where each should)
     find = streaming.windowed.batch.WindowedBatch._find_repeats
     monkeypatch.setattr(streaming.windowed.batch.WindowedBatch, "_find_repeats",
                         lambda self, lines: paths.append("stats" if self.expect_large else "job") or find(self, lines))
@@ -502,8 +508,7 @@ def test_ids_delivered_again_within_a_batch_count_once_and_the_first_line_wins(s
     assert report.stats.duplicates == 6 and report.stats.events == 8
     assert late == [] == truth.late
     second = ("u1", T0 + 5 * MIN)
-    first = "written" if written else "stats" if by_size else "driver"
-    assert paths == ([first, "stats", "stats"] if small is not None else ["driver"] * 3), paths
+    assert paths == want_paths, paths
     if max_repeats > 1:
         assert table == expected(truth)
         assert table[("u1", T0)][1:] == (3, Decimal("30.00")), "e2 counted once, with its first line's amount"

@@ -326,7 +326,7 @@ class WindowedBatch:
                 row = self._counting.result()
             elif self.bounded:
                 row = observed(self._lines_seen)
-            elif self.expect_large:
+            elif self.expect_large or self.ids_to_driver:
                 seen = Observation(f"stats-{job.name}-{next(_OBSERVATIONS)}")
                 lines = observe(self._lines(), seen, packed(self._stat_columns()))
                 if self.ids_to_driver:
@@ -789,7 +789,7 @@ def plan_batch(
             large = True
         else:  # the first batch of a stream, or one after a small batch: by the size of its input files
             large = size is not None and size > LARGE_BATCH_BYTES
-        to_driver = large and size is not None and size <= DRIVER_LOOKUP_BYTES
+        to_driver = size is not None and size <= DRIVER_LOOKUP_BYTES
     return WindowedBatch(job=job, watermark_in_ms=watermark_in_ms, bounded=bounded, parsed=parsed, store=store,
                          event_range_ms=event_range_ms, batch_id=batch_id, expect_large=large, ids_to_driver=to_driver)
 
