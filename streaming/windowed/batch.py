@@ -506,7 +506,8 @@ class WindowedBatch:
             self._remembered_found = (h1[found].tolist(), h2[found].tolist())
 
     def _stats_and_ids(self):
-        """A stream's batch of ordinary size: the statistics job also brings each valid line's id hashes, arrival,
+        """A stream's batch whose input size Spark does not know (a table source) or whose ids do not come as Arrow
+        (see ``DRIVER_LOOKUP_BYTES``), not expected to be large: the statistics job also brings each valid line's id hashes, arrival,
         line number and event time (40 bytes a line, up to ``DRIVER_LOOKUP_LINES`` lines), and the driver finds the ids
         delivered more than once (:func:`first_deliveries`) and, with a store of remembered ids, looks the ids
         up in its own index of them (``checkpoint.seen``, as the executors' lookup does). One job of the JVM alone:
