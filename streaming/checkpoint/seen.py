@@ -160,20 +160,25 @@ def forget(store: str | None = None) -> None:
         _INDEXES.pop(store, None)
 
 
-def read_ids(path: str, storage_options: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The hashes and expiries in an ids file (a folder of Parquet parts, as Spark writes it)."""
+def read_parts(path: str, columns: list[str], storage_options: Mapping[str, Any]):
+    """``columns`` of a store file (a folder of Parquet parts, as Spark writes it) as one Arrow table, read by the
+    driver or a Python worker through fsspec with no Spark job (None: no part)."""
     import fsspec
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     fs, root = fsspec.core.url_to_fs(path, **dict(storage_options))
     parts = sorted(p for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[-1].endswith(".parquet"))
-    tables = [pq.read_table(p, columns=["_h1", "_h2", "_expires_ms"], filesystem=fs) for p in parts]
-    if not tables:
+    tables = [pq.read_table(p, columns=columns, filesystem=fs) for p in parts]
+    return pa.concat_tables(tables, promote_options="default") if tables else None
+
+
+def read_ids(path: str, storage_options: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The hashes and expiries in an ids file (a folder of Parquet parts, as Spark writes it)."""
+    table = read_parts(path, ["_h1", "_h2", "_expires_ms"], storage_options)
+    if table is None:
         empty = np.empty(0, dtype=np.int64)
         return empty, empty, empty
-    import pyarrow as pa
-
-    table = pa.concat_tables(tables)
     return tuple(table.column(c).to_numpy().astype(np.int64, copy=False) for c in ("_h1", "_h2", "_expires_ms"))
 
 

@@ -122,17 +122,11 @@ class Store:
         return self.spark.read.schema(self.schemas[kind]).parquet(*[f.path for f in files])
 
     def read_table(self, kind: str, files: list[StoreFile]) -> pa.Table | None:
-        """The rows of ``files`` (of ``kind``), read by the driver through fsspec, as ``seen`` reads the ids: for files
-        small enough to merge without a Spark job (None: no rows)."""
-        import fsspec
-        import pyarrow.parquet as pq
+        """The rows of ``files`` (of ``kind``), read by the driver as ``seen`` reads the ids (``seen.read_parts``): for
+        files small enough to merge without a Spark job (None: no rows)."""
+        from .seen import read_parts
 
-        names = self.schemas[kind].names
-        tables = []
-        for f in files:
-            fs, root = fsspec.core.url_to_fs(f.path, **self.storage_options)
-            for part in sorted(p for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[-1].endswith(".parquet")):
-                tables.append(pq.read_table(part, columns=names, filesystem=fs))
+        tables = [t for f in files if (t := read_parts(f.path, self.schemas[kind].names, self.storage_options)) is not None]
         return pa.concat_tables(tables, promote_options="default") if tables else None
 
     def id_files(self) -> list[tuple[str, str]]:

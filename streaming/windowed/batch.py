@@ -782,17 +782,14 @@ def plan_batch(
     parsed = parsed.withColumn("source_file", F.when(needs_file, F.col("source_file")))
     if bounded:  # the lines are cached: keep only the fields the transform reads (a stream's late rows need all)
         parsed = select(parsed, once("bounded columns", lambda: [F.col(c) for c in _bounded_columns(job, parsed)], job))
-    large = to_driver = False
-    if bounded:
-        size = estimated_bytes(raw)
-        to_driver = size is not None and size <= DRIVER_LOOKUP_BYTES
-    else:
-        size = estimated_bytes(raw)
+    size = estimated_bytes(raw)
+    to_driver = size is not None and size <= DRIVER_LOOKUP_BYTES
+    large = False
+    if not bounded:
         if lines_before is not None and lines_before > INTERPRETED_BATCH_LINES:
             large = True
         else:  # the first batch of a stream, or one after a small batch: by the size of its input files
             large = size is not None and size > LARGE_BATCH_BYTES
-        to_driver = size is not None and size <= DRIVER_LOOKUP_BYTES
     return WindowedBatch(job=job, watermark_in_ms=watermark_in_ms, bounded=bounded, parsed=parsed, store=store,
                          event_range_ms=event_range_ms, batch_id=batch_id, expect_large=large, ids_to_driver=to_driver)
 
@@ -801,4 +798,3 @@ def plan_batch(
 # finds its repeated ids (one job less). A payment line is ~190 bytes, estimated at ~330 with the columns the
 # source adds: ~25k lines and more.
 LARGE_BATCH_BYTES = 8_000_000
-
