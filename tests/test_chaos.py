@@ -37,6 +37,7 @@ import pytest
 from streaming.checkpoint.layout import numbered, source_log_entries, source_log_files
 from tests import oracle
 from tests import oracle_jobs as oj
+from tests.logs import excerpt
 from tests.conftest import SMALL, drop_job_tables
 from tests.landing import MIN, payment
 from tests.oracle_windows import Win, replay_windows
@@ -145,13 +146,13 @@ def test_an_operators_bad_day_ends_with_every_table_as_its_oracle_says(spark, wa
     try:
         # 1. a crash loop: killed at random moments, and once inside a batch after purchase_metrics' main commit
         proc = _cli(home, *app, wait=False, log="app.log")
-        assert _wait_for(lambda: _commits(home, JOBS[0]) >= 2, 240), (home / "app.log").read_text()[-3000:]
+        assert _wait_for(lambda: _commits(home, JOBS[0]) >= 2, 240), excerpt(home / "app.log")
         time.sleep(rng.uniform(0.0, 3.0))  # wherever it is: planning, inside a batch, between batches
         _kill(proc)
         env = {**os.environ, "LAKESTREAM_PAUSE_AT": "committed:lake.payments.purchase_metrics",
                "LAKESTREAM_PAUSE_DIR": str(pause_dir), "LAKESTREAM_PAUSE_SECONDS": "120"}
         proc = _cli(home, *app, env=env, wait=False, log="app.log")
-        assert _wait_for(lambda: any(pause_dir.glob("committed:*")), 240), (home / "app.log").read_text()[-3000:]
+        assert _wait_for(lambda: any(pause_dir.glob("committed:*")), 240), excerpt(home / "app.log")
         _kill(proc)
         # 2. a savepoint of a job whose runner is dead
         code, stderr = _cli(home, "savepoint", "create", JOBS[0])
@@ -160,7 +161,7 @@ def test_an_operators_bad_day_ends_with_every_table_as_its_oracle_says(spark, wa
         # 3. running again: a second runner is refused; a forced backfill of the day runs beside the stream
         proc = _cli(home, *app, wait=False, log="app.log")
         before = _commits(home, JOBS[0])
-        assert _wait_for(lambda: _commits(home, JOBS[0]) > before, 240), (home / "app.log").read_text()[-3000:]
+        assert _wait_for(lambda: _commits(home, JOBS[0]) > before, 240), excerpt(home / "app.log")
         code, stderr = _cli(home, "run", JOBS[0], "--available-now")
         _one_line(code, stderr, f"on {socket.gethostname()}")
         code, stderr = _cli(home, "backfill", JOBS[0], "--start", DAY, "--end", NEXT_DAY, "--force")
@@ -174,11 +175,11 @@ def test_an_operators_bad_day_ends_with_every_table_as_its_oracle_says(spark, wa
         feeder.join(timeout=300)
         total = len(list(landing.iterdir()))
         assert _wait_for(lambda: proc.poll() is not None or (_commits(home, JOBS[0]) >= 1 and _inspect_waiting(home) == 0),
-                         300), (home / "app.log").read_text()[-3000:]
+                         300), excerpt(home / "app.log")
         assert proc.poll() is None, f"the application ended ({proc.returncode}) with files waiting:\n" + \
-            (home / "app.log").read_text()[-3000:]
+            excerpt(home / "app.log")
         os.killpg(proc.pid, signal.SIGINT)  # stopped as Ctrl-C stops it: after the current batch
-        assert proc.wait(timeout=120) == 0, (home / "app.log").read_text()[-3000:]
+        assert proc.wait(timeout=120) == 0, excerpt(home / "app.log")
     finally:
         stop_feeding.set()
     # 5. the restore of one job, then both to the end

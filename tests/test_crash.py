@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests import oracle
+from tests.logs import excerpt
 from tests.conftest import SMALL, drop_job_tables
 
 JOB = "purchase_metrics"
@@ -122,7 +123,7 @@ def _killed_again_and_again(home: Path, tmp_path: Path, job: str, points: list[s
         if path.exists():
             shutil.move(path, landing / path.name)
     final = _child(home, None, pause_dir, available_now=True, job=job)
-    assert final.wait(timeout=600) == 0, (home / "child.log").read_text()[-3000:]
+    assert final.wait(timeout=600) == 0, excerpt(home / "child.log")
 
     print("kills:", kills)
     assert len(kills) == times

@@ -68,3 +68,69 @@ def test_bulk_writes_go_from_the_executors_and_a_partial_day_range_keeps_the_res
     # a small counted append is written by delta-rs from the driver, in the same table
     sink.append(frame(spark, {("u6", DAY + timedelta(hours=1), 300)}), Commit("app", 8), rows=1)
     assert rows_of(sink) == expected | third | {("u6", DAY + timedelta(hours=1), 300)}
+
+
+def test_a_streams_append_after_a_backfills_overwrite_of_its_day_is_retried_and_keeps_both(spark, tmp_path):
+    """A forced backfill beside a running stream: the backfill replaces a day between the moment the stream's append
+    read the table and its commit. delta-rs refuses that commit ("a concurrent transaction deleted data this
+    operation read", though an append reads nothing); it is a conflict to retry on the new version, not a failure
+    that ends the stream (seen once in the operator's-bad-day test on Delta). Checked against plain Python."""
+    location = str(tmp_path / "delta")
+    backfill = DeltaRsSink(spark, Table("lake.test.delta_race"), location)
+    backfill.ensure(SCHEMA, "window_start", "test table")
+    old = {("u1", DAY + timedelta(hours=1), 1), ("u2", DAY + timedelta(hours=2), 2)}
+    backfill.replace_range(frame(spark, old), "window_start", ms(DAY), ms(DAY + timedelta(days=1)), {"by": "test"})
+    replaced = {("u1", DAY + timedelta(hours=1), 10)}
+    overwrites = []
+
+    class Stream(DeltaRsSink):
+        def _write_files(self, rows, table):  # (the stream's files are written while the backfill commits)
+            actions = super()._write_files(rows, table)
+            if not overwrites:
+                overwrites.append(table.version())
+                backfill.replace_range(frame(spark, replaced), "window_start", ms(DAY), ms(DAY + timedelta(hours=12)),
+                                       {"by": "backfill"})
+            return actions
+
+    stream = Stream(spark, Table("lake.test.delta_race"), location)
+    commit = Commit("stream", 3)
+    appended = {("u3", DAY + timedelta(hours=13), 3)}
+    assert stream.append(frame(spark, appended), commit, may_exist=False, rows=None)
+    assert overwrites and stream._dt().version() > overwrites[0] + 1  # (the overwrite landed between: it was retried)
+    assert rows_of(stream) == {(u, t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t, n)
+                               for u, t, n in replaced | appended}
+    assert stream.is_committed(commit) and not stream.append(frame(spark, appended), commit, may_exist=True, rows=None)
+
+
+def test_delta_rs_commit_conflicts_are_retried_and_other_failures_are_not(tmp_path):
+    """The messages delta-rs gives a merge or an append that another writer's commit overtook (made here for real:
+    each writer's table read before the other commits) are conflicts; a failure of another kind is not."""
+    import pyarrow as pa
+    from deltalake import DeltaTable, write_deltalake
+
+    from streaming.io.sinks.base import is_conflict
+
+    uri = str(tmp_path / "t")
+    write_deltalake(uri, pa.table({"d": ["2026-11-20", "2026-11-21"], "v": [1, 2]}), partition_by=["d"])
+    errors = []
+    stale = DeltaTable(uri)
+    write_deltalake(uri, pa.table({"d": ["2026-11-20"], "v": [9]}), mode="append")
+    try:
+        stale.merge(pa.table({"d": ["2026-11-21"], "v": [5]}), "t.v = s.v", source_alias="s", target_alias="t") \
+            .when_not_matched_insert_all().execute()
+    except Exception as exc:  # noqa: BLE001 - the error under test
+        errors.append(exc)
+    stale = DeltaTable(uri)
+    write_deltalake(uri, pa.table({"d": ["2026-11-20"], "v": [7]}), mode="overwrite", predicate="d = '2026-11-20'")
+    try:
+        stale.merge(pa.table({"d": ["2026-11-21"], "v": [6]}), "t.v = s.v", source_alias="s", target_alias="t") \
+            .when_not_matched_insert_all().execute()
+    except Exception as exc:  # noqa: BLE001
+        errors.append(exc)
+    assert len(errors) == 2 and all(is_conflict(e) for e in errors), errors
+    try:
+        write_deltalake(uri, pa.table({"d": ["2026-11-20"], "v": ["not a number"]}), mode="append")
+    except Exception as exc:  # noqa: BLE001
+        assert not is_conflict(exc), exc
+    else:
+        raise AssertionError("a write of the wrong type was accepted")

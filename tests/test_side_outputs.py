@@ -18,6 +18,7 @@ from streaming.checkpoint.records import EngineState
 from streaming.project import get_job
 from streaming.run.runner import run_stream
 from tests import oracle
+from tests.logs import excerpt
 from tests.conftest import SMALL, drop_job_tables, settings_for
 
 JOB = "purchase_metrics"
@@ -123,13 +124,13 @@ def test_sigkill_inside_the_commit_of_kept_side_rows_neither_loses_nor_repeats_o
     proc = _child(home, point, pause_dir)
     deadline = time.monotonic() + 300
     while not any(pause_dir.glob(f"{point}@*")) and time.monotonic() < deadline:
-        assert proc.poll() is None, (home / "child.log").read_text()[-3000:]
+        assert proc.poll() is None, excerpt(home / "child.log")
         time.sleep(0.2)
-    assert any(pause_dir.glob(f"{point}@*")), (home / "child.log").read_text()[-3000:]
+    assert any(pause_dir.glob(f"{point}@*")), excerpt(home / "child.log")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     again = _child(home, None, pause_dir)
-    assert again.wait(timeout=300) == 0, (home / "child.log").read_text()[-3000:]
+    assert again.wait(timeout=300) == 0, excerpt(home / "child.log")
     truth = oracle.replay_stream(_batches(landing))
     if fmt == "iceberg":
         late, quarantined = _side_tables(spark)

@@ -26,6 +26,7 @@ from streaming.errors import ProjectError
 from streaming.project import load
 from lakestream.testing import JobHarness
 from streaming.windows import Tumbling
+from tests.logs import excerpt
 
 REPO = Path(__file__).resolve().parents[1]
 SENSORS = REPO / "examples" / "sensors"
@@ -50,6 +51,7 @@ JOB = """
 from datetime import timedelta
 from streaming.declaration import Agg, Table, Watermark, WindowedJob
 from streaming.windows import Tumbling
+from tests.logs import excerpt
 from ..sources import EVENTS
 JOB = WindowedJob(name="{job}", sources=(EVENTS,), keys=("device",), window=Tumbling(timedelta(minutes=1)),
                   watermark=Watermark(timedelta(seconds=5)), transform=lambda f: f,
@@ -556,6 +558,7 @@ SILVER = Source(name="silver_orders", format="table", location="lake.crash.silve
 from datetime import timedelta
 from streaming.declaration import Agg, Table, Watermark, WindowedJob
 from streaming.windows import Tumbling
+from tests.logs import excerpt
 from ..sources import SILVER
 JOB = WindowedJob(name="crash_gold", sources=(SILVER,), keys=("customer",), window=Tumbling(timedelta(minutes=5)),
                   watermark=Watermark(timedelta(seconds=30)),
@@ -612,7 +615,7 @@ def test_a_table_source_stream_killed_at_every_commit_point_ends_exactly_once(sp
     final = subprocess.run([sys.executable, "-m", "lakestream.cli", "--home", str(home), "run", "crash_gold",
                             "--available-now"], env=env, capture_output=True, text=True, timeout=600)
     assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-2000:]
-    assert len(reached) >= 4, (reached, (home / "child.log").read_text()[-3000:])
+    assert len(reached) >= 4, (reached, excerpt(home / "child.log"))
     # the oracle: snapshots in commit order as micro-batches, dedup by (customer, order_no), the watermark rule
     seen, w, closed, late = set(), None, defaultdict(lambda: [0, Decimal("0")]), []
     for rows in snapshots:

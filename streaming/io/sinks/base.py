@@ -96,7 +96,11 @@ def later_batch(commit_id: str | None, app_id: str, batch_id: int, flush_kept: b
 _CONFLICTS = ("CommitFailedException", "ValidationException", "Found conflicting files", "CommitConflict",
               "Transaction failed", "ConcurrentAppend", "ConcurrentDelete", "version already exists",
               # Iceberg's MERGE when another writer committed between its scan and its runtime filter
-              "the table has been concurrently modified")
+              "the table has been concurrently modified",
+              # delta-rs (CommitFailedError): a commit that landed since the table was read (an append or a merge
+              # after a backfill's overwrite of a day, a merge after an append), or changed its metadata
+              "a concurrent transaction", "Metadata changed since last commit", "Concurrent transaction failed",
+              "Protocol changed since last commit")
 
 
 def is_conflict(exc: BaseException) -> bool:
