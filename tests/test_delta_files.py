@@ -134,3 +134,40 @@ def test_delta_rs_commit_conflicts_are_retried_and_other_failures_are_not(tmp_pa
         assert not is_conflict(exc), exc
     else:
         raise AssertionError("a write of the wrong type was accepted")
+
+
+def test_a_backfill_of_part_of_a_day_overtaken_by_another_replacing_that_day_fails_instead_of_losing_its_rows(spark, tmp_path):
+    """Two backfills of the two halves of one day: each carries the rest of the day over as it read it. The second to
+    commit would put back the first's half as it was before, so its conflict is not retried: it fails with nothing
+    committed, and run again it keeps both halves (plain Python decides)."""
+    import pytest
+
+    from streaming.errors import SinkCommitError
+
+    location = str(tmp_path / "delta")
+    morning = DeltaRsSink(spark, Table("lake.test.delta_halves"), location)
+    morning.ensure(SCHEMA, "window_start", "test table")
+    before = {("u1", DAY + timedelta(hours=3), 1), ("u2", DAY + timedelta(hours=15), 2)}
+    morning.replace_range(frame(spark, before), "window_start", ms(DAY), ms(DAY + timedelta(days=1)), {"by": "test"})
+    noon = DAY + timedelta(hours=12)
+    new_morning = {("u1", DAY + timedelta(hours=3), 10)}
+    new_afternoon = {("u2", DAY + timedelta(hours=15), 20)}
+    raced = []
+
+    class Afternoon(DeltaRsSink):
+        def _write_files(self, rows, table):
+            actions = super()._write_files(rows, table)
+            if not raced:
+                raced.append(True)
+                morning.replace_range(frame(spark, new_morning), "window_start", ms(DAY), ms(noon), {"by": "morning"})
+            return actions
+
+    afternoon = Afternoon(spark, Table("lake.test.delta_halves"), location)
+    with pytest.raises(SinkCommitError, match="another writer replaced rows"):
+        afternoon.replace_range(frame(spark, new_afternoon), "window_start", ms(noon), ms(DAY + timedelta(days=1)),
+                                {"by": "afternoon"})
+    utc = lambda rows: {(u, t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t, n) for u, t, n in rows}  # noqa: E731
+    assert rows_of(morning) == utc(new_morning | {r for r in before if r[1] >= noon})
+    afternoon.replace_range(frame(spark, new_afternoon), "window_start", ms(noon), ms(DAY + timedelta(days=1)),
+                            {"by": "afternoon"})
+    assert rows_of(morning) == utc(new_morning | new_afternoon)

@@ -41,6 +41,7 @@ from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
 from ...declaration import Table
+from ...errors import SinkCommitError
 from ...spark.jvm import collect_arrow
 from .base import COMMIT_KEY, OP, WATERMARK_KEY, Commit, later_batch, with_retries
 
@@ -222,10 +223,12 @@ class DeltaRsSink:
 
     def _commit_files(self, frame: DataFrame, mode: str, *, commit: Commit | None = None,
                       properties: Mapping[str, str] | None = None, days: list[str] | None = None,
-                      table=None) -> None:
+                      table=None, kept: list[str] | None = None) -> None:
         """Write ``frame`` from the executors and commit its files as one transaction: an append, or (``days``)
         an overwrite of those day partitions. ``table``: the table as read before (its version is what the
-        transaction checks concurrent commits against)."""
+        transaction checks concurrent commits against). ``kept``: the data files whose rows ``frame`` carries
+        over (a partly replaced day's other rows): a commit that conflicts is retried only while they are all
+        still in the table, else those rows may be stale and the write fails (nothing is committed)."""
         table = table or self._dt()
         actions = self._write_files(frame, table)
         columns, _ = self._partitioning(table)
@@ -233,6 +236,10 @@ class DeltaRsSink:
 
         def attempt() -> None:
             current = table if attempt.first else self._dt()
+            if kept and not attempt.first and not set(kept) <= set(current.file_uris(partition_filters=filters)):
+                raise SinkCommitError(
+                    f"{self.table.name}: another writer replaced rows of the days {', '.join(days or [])} while this "
+                    "write carried their rows outside its range over; nothing was committed (run the backfill again)")
             attempt.first = False
             current.create_write_transaction(actions, mode, current.schema(), partition_by=columns or None,
                                              partition_filters=filters,
@@ -277,6 +284,7 @@ class DeltaRsSink:
         if len(columns) == 1 and (generated.get(columns[0]) == column or columns[0] == column):
             first, last = lo_ms // DAY_MS, (hi_ms - 1) // DAY_MS
             days = [datetime.fromtimestamp(d * 86_400, tz=timezone.utc).strftime("%Y-%m-%d") for d in range(first, last + 1)]
+            files = None
             if lo_ms % DAY_MS or hi_ms % DAY_MS:  # the touched days' rows outside the range stay
                 files = table.file_uris(partition_filters=[(columns[0], "in", days)])
                 if files:
@@ -284,7 +292,7 @@ class DeltaRsSink:
                     kept = self._read_files(table, files).where(
                         (t < F.lit(_ts(lo_ms))) | (t >= F.lit(_ts(hi_ms))))
                     frame = frame.unionByName(kept.select(*frame.columns))
-            self._commit_files(frame, "overwrite", properties=properties, days=days, table=table)
+            self._commit_files(frame, "overwrite", properties=properties, days=days, table=table, kept=files)
             return
         data = to_arrow(frame)
         predicate = f"{column} >= '{_iso(lo_ms)}' AND {column} < '{_iso(hi_ms)}'"
