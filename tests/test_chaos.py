@@ -37,9 +37,9 @@ import pytest
 from streaming.checkpoint.layout import numbered, source_log_entries, source_log_files
 from tests import oracle
 from tests import oracle_jobs as oj
-from tests.logs import excerpt
 from tests.conftest import SMALL, drop_job_tables
 from tests.landing import MIN, payment
+from tests.logs import excerpt
 from tests.oracle_windows import Win, replay_windows
 
 pytestmark = pytest.mark.slow

@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 
 from tests import oracle
-from tests.logs import excerpt
 from tests.conftest import SMALL, drop_job_tables
+from tests.logs import excerpt
 
 JOB = "purchase_metrics"
 POINTS = [

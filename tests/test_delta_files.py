@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
+import pytest
 from pyspark.sql import types as T
 
 from streaming.declaration import Table
@@ -24,6 +25,11 @@ def ms(moment: datetime) -> int:
 def rows_of(sink) -> set:
     return {(r.user_id, r.window_start.replace(tzinfo=timezone.utc) if r.window_start.tzinfo is None else r.window_start, r.n)
             for r in sink.read().collect()}
+
+
+def as_utc(rows) -> set:
+    """Expected rows with their times in UTC, as :func:`rows_of` reads them."""
+    return {(u, t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t, n) for u, t, n in rows}
 
 
 def frame(spark, rows):
@@ -97,8 +103,7 @@ def test_a_streams_append_after_a_backfills_overwrite_of_its_day_is_retried_and_
     appended = {("u3", DAY + timedelta(hours=13), 3)}
     assert stream.append(frame(spark, appended), commit, may_exist=False, rows=None)
     assert overwrites and stream._dt().version() > overwrites[0] + 1  # (the overwrite landed between: it was retried)
-    assert rows_of(stream) == {(u, t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t, n)
-                               for u, t, n in replaced | appended}
+    assert rows_of(stream) == as_utc(replaced | appended)
     assert stream.is_committed(commit) and not stream.append(frame(spark, appended), commit, may_exist=True, rows=None)
 
 
@@ -113,20 +118,14 @@ def test_delta_rs_commit_conflicts_are_retried_and_other_failures_are_not(tmp_pa
     uri = str(tmp_path / "t")
     write_deltalake(uri, pa.table({"d": ["2026-11-20", "2026-11-21"], "v": [1, 2]}), partition_by=["d"])
     errors = []
-    stale = DeltaTable(uri)
-    write_deltalake(uri, pa.table({"d": ["2026-11-20"], "v": [9]}), mode="append")
-    try:
-        stale.merge(pa.table({"d": ["2026-11-21"], "v": [5]}), "t.v = s.v", source_alias="s", target_alias="t") \
-            .when_not_matched_insert_all().execute()
-    except Exception as exc:  # noqa: BLE001 - the error under test
-        errors.append(exc)
-    stale = DeltaTable(uri)
-    write_deltalake(uri, pa.table({"d": ["2026-11-20"], "v": [7]}), mode="overwrite", predicate="d = '2026-11-20'")
-    try:
-        stale.merge(pa.table({"d": ["2026-11-21"], "v": [6]}), "t.v = s.v", source_alias="s", target_alias="t") \
-            .when_not_matched_insert_all().execute()
-    except Exception as exc:  # noqa: BLE001
-        errors.append(exc)
+    for other in ({"mode": "append"}, {"mode": "overwrite", "predicate": "d = '2026-11-20'"}):  # (the other writer)
+        stale = DeltaTable(uri)
+        write_deltalake(uri, pa.table({"d": ["2026-11-20"], "v": [9]}), **other)
+        try:
+            stale.merge(pa.table({"d": ["2026-11-21"], "v": [5]}), "t.v = s.v", source_alias="s", target_alias="t") \
+                .when_not_matched_insert_all().execute()
+        except Exception as exc:  # noqa: BLE001 - the error under test
+            errors.append(exc)
     assert len(errors) == 2 and all(is_conflict(e) for e in errors), errors
     try:
         write_deltalake(uri, pa.table({"d": ["2026-11-20"], "v": ["not a number"]}), mode="append")
@@ -140,8 +139,6 @@ def test_a_backfill_of_part_of_a_day_overtaken_by_another_replacing_that_day_fai
     """Two backfills of the two halves of one day: each carries the rest of the day over as it read it. The second to
     commit would put back the first's half as it was before, so its conflict is not retried: it fails with nothing
     committed, and run again it keeps both halves (plain Python decides)."""
-    import pytest
-
     from streaming.errors import SinkCommitError
 
     location = str(tmp_path / "delta")
@@ -166,8 +163,7 @@ def test_a_backfill_of_part_of_a_day_overtaken_by_another_replacing_that_day_fai
     with pytest.raises(SinkCommitError, match="another writer replaced rows"):
         afternoon.replace_range(frame(spark, new_afternoon), "window_start", ms(noon), ms(DAY + timedelta(days=1)),
                                 {"by": "afternoon"})
-    utc = lambda rows: {(u, t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t, n) for u, t, n in rows}  # noqa: E731
-    assert rows_of(morning) == utc(new_morning | {r for r in before if r[1] >= noon})
+    assert rows_of(morning) == as_utc(new_morning | {r for r in before if r[1] >= noon})
     afternoon.replace_range(frame(spark, new_afternoon), "window_start", ms(noon), ms(DAY + timedelta(days=1)),
                             {"by": "afternoon"})
-    assert rows_of(morning) == utc(new_morning | new_afternoon)
+    assert rows_of(morning) == as_utc(new_morning | new_afternoon)

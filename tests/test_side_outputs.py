@@ -18,8 +18,8 @@ from streaming.checkpoint.records import EngineState
 from streaming.project import get_job
 from streaming.run.runner import run_stream
 from tests import oracle
-from tests.logs import excerpt
 from tests.conftest import SMALL, drop_job_tables, settings_for
+from tests.logs import excerpt
 
 JOB = "purchase_metrics"
 LATE = "lake.payments.purchase_metrics_late"
